@@ -1,0 +1,112 @@
+// What every FFI handler of this package shares, whatever the platform:
+// decoding of the `geometry` dictionary attribute into PoolAttrs, and the
+// checks that the buffers XLA hands over agree with it.
+#ifndef JAX_AVGPOOL_FFI_COMMON_H_
+#define JAX_AVGPOOL_FFI_COMMON_H_
+
+#include <cstdint>
+#include <string>
+
+#include "pooling.h"
+#include "xla/ffi/api/ffi.h"
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    ::jax_avgpool::PoolAttrs,
+    ::xla::ffi::StructMember<int64_t>("kernel_h"),
+    ::xla::ffi::StructMember<int64_t>("kernel_w"),
+    ::xla::ffi::StructMember<int64_t>("stride_h"),
+    ::xla::ffi::StructMember<int64_t>("stride_w"),
+    ::xla::ffi::StructMember<int64_t>("pad_top"),
+    ::xla::ffi::StructMember<int64_t>("pad_bottom"),
+    ::xla::ffi::StructMember<int64_t>("pad_left"),
+    ::xla::ffi::StructMember<int64_t>("pad_right"),
+    ::xla::ffi::StructMember<int64_t>("ceil_mode"),
+    ::xla::ffi::StructMember<int64_t>("divisor_mode"),
+    ::xla::ffi::StructMember<int64_t>("divisor_override"),
+    ::xla::ffi::StructMember<int64_t>("layout"));
+
+namespace jax_avgpool {
+
+namespace ffi = ::xla::ffi;
+
+inline std::string DimsToString(ffi::AnyBuffer::Dimensions d) {
+  std::string s = "(";
+  for (size_t i = 0; i < d.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(d[i]);
+  }
+  return s + ")";
+}
+
+// Checks that `in` (the pooled side: x for the forward, dx for the backward)
+// and `out` (y, or dy) are consistent with the attributes, and returns the
+// folded logical shape. Leading dimensions (all but the last three) are
+// folded into one batch dimension.
+inline ffi::Error CheckShapes(const PoolAttrs& a, const ffi::AnyBuffer& in,
+                              const ffi::AnyBuffer& out, PoolShape* shape) {
+  if (const char* why = ValidateAttrs(a)) {
+    return ffi::Error::InvalidArgument(std::string("jax_avgpool: ") + why);
+  }
+  if (in.element_type() != out.element_type()) {
+    return ffi::Error::InvalidArgument(
+        "jax_avgpool: input and output element types differ");
+  }
+  const auto di = in.dimensions();
+  const auto dout = out.dimensions();
+  if (di.size() < 3 || di.size() != dout.size()) {
+    return ffi::Error::InvalidArgument(
+        "jax_avgpool: expected input and output of equal rank >= 3, got " +
+        DimsToString(di) + " and " + DimsToString(dout));
+  }
+  const size_t r = di.size();
+  int64_t batch = 1;
+  for (size_t i = 0; i + 3 < r; ++i) {
+    if (di[i] != dout[i]) {
+      return ffi::Error::InvalidArgument(
+          "jax_avgpool: leading dimensions differ between " + DimsToString(di) +
+          " and " + DimsToString(dout));
+    }
+    batch *= di[i];
+  }
+  const bool nhwc = a.layout == kNHWC;
+  const size_t ch = nhwc ? r - 1 : r - 3;
+  const size_t hh = nhwc ? r - 3 : r - 2;
+  const size_t ww = nhwc ? r - 2 : r - 1;
+  if (di[ch] != dout[ch]) {
+    return ffi::Error::InvalidArgument(
+        "jax_avgpool: channel dimensions differ between " + DimsToString(di) +
+        " and " + DimsToString(dout));
+  }
+  const int64_t oh = PooledSize(di[hh], a.kernel_h, a.stride_h, a.pad_top,
+                                a.pad_bottom, a.ceil_mode != 0);
+  const int64_t ow = PooledSize(di[ww], a.kernel_w, a.stride_w, a.pad_left,
+                                a.pad_right, a.ceil_mode != 0);
+  if (oh < 1 || ow < 1 || oh != dout[hh] || ow != dout[ww]) {
+    return ffi::Error::InvalidArgument(
+        "jax_avgpool: pooled size of " + DimsToString(di) + " is (" +
+        std::to_string(oh) + ", " + std::to_string(ow) +
+        ") but the output buffer is " + DimsToString(dout));
+  }
+  *shape = PoolShape{batch, di[ch], di[hh], di[ww], oh, ow};
+  return ffi::Error::Success();
+}
+
+inline ffi::Error CheckStrategy(int64_t strategy) {
+  if (strategy != kGather && strategy != kScatter) {
+    return ffi::Error::InvalidArgument(
+        "jax_avgpool: strategy must be 0 (gather) or 1 (scatter), got " +
+        std::to_string(strategy));
+  }
+  return ffi::Error::Success();
+}
+
+inline ffi::Error UnsupportedType(ffi::DataType t) {
+  return ffi::Error::InvalidArgument(
+      "jax_avgpool: unsupported element type " +
+      std::to_string(static_cast<int>(t)) +
+      "; expected float16, bfloat16, float32 or float64");
+}
+
+}  // namespace jax_avgpool
+
+#endif  // JAX_AVGPOOL_FFI_COMMON_H_

@@ -1,0 +1,38 @@
+"""Loads the compiled extension and registers its FFI targets with XLA."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+FORWARD_TARGET = "jax_avgpool_forward"
+BACKWARD_TARGET = "jax_avgpool_backward"
+
+try:
+    from . import _jax_avgpool as _ext
+except ImportError as err:  # pragma: no cover - only without a build
+    raise ImportError(
+        "jax_avgpool's compiled extension (_jax_avgpool) could not be imported. "
+        "Install the package with `pip install .` so that CMake builds it."
+    ) from err
+
+# XLA's platform names for the registrations the extension reports.
+_XLA_PLATFORMS = {"cpu": "cpu", "cuda": "CUDA"}
+
+
+def _register() -> tuple[str, ...]:
+    platforms = []
+    for platform, targets in _ext.registrations().items():
+        for name, capsule in targets.items():
+            jax.ffi.register_ffi_target(name, capsule, platform=_XLA_PLATFORMS[platform])
+        platforms.append(platform)
+    return tuple(platforms)
+
+
+REGISTERED_PLATFORMS = _register()
+
+
+def extension_info() -> dict[str, Any]:
+    """What the extension says about its own build."""
+    return dict(_ext.build_info())

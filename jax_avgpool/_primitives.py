@@ -1,0 +1,109 @@
+"""The two primitives: average pooling and its transpose.
+
+Pooling is linear in its input, so the forward primitive's JVP is itself and
+its transpose is the backward primitive; the backward primitive's transpose
+is the forward one. That pair is all JAX needs for ``grad``, ``jvp``,
+``jacfwd``/``jacrev``, ``hessian`` and any higher order.
+
+Both primitives take an array of rank >= 3 whose last three axes are
+(C, H, W) or (H, W, C) by the geometry's layout; every leading axis is a
+batch axis, folded into one by the kernels. ``vmap`` therefore only has to
+place the mapped axis among the leading ones, which costs nothing when it is
+already there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from . import _ffi
+from ._geometry import Geometry
+
+pool_p = Primitive("jax_avgpool_pool")
+pool_transpose_p = Primitive("jax_avgpool_pool_transpose")
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(prim: Primitive, geometry: Geometry):
+    return jax.jit(functools.partial(prim.bind, geometry=geometry))
+
+
+def _impl(prim: Primitive):
+    def impl(x, *, geometry: Geometry):
+        return _compiled(prim, geometry)(x)
+
+    return impl
+
+
+def _check_operand(x, geometry: Geometry, expected_hw, role: str) -> None:
+    if x.ndim < 3:
+        raise ValueError(f"{role} must have rank >= 3, got shape {x.shape}")
+    if tuple(geometry.spatial(x.shape)) != tuple(expected_hw):
+        raise ValueError(
+            f"{role} has spatial size {geometry.spatial(x.shape)} but the pooling geometry "
+            f"expects {tuple(expected_hw)}"
+        )
+
+
+def _pool_abstract_eval(x, *, geometry: Geometry):
+    _check_operand(x, geometry, geometry.in_hw, "x")
+    return x.update(shape=geometry.with_spatial(x.shape, geometry.out_hw))
+
+
+def _pool_transpose_abstract_eval(dy, *, geometry: Geometry):
+    _check_operand(dy, geometry, geometry.out_hw, "dy")
+    return dy.update(shape=geometry.with_spatial(dy.shape, geometry.in_hw))
+
+
+def _pool_lowering(ctx, x, *, geometry: Geometry):
+    return jax.ffi.ffi_lowering(_ffi.FORWARD_TARGET)(ctx, x, geometry=geometry.attributes())
+
+
+def _pool_transpose_lowering(ctx, dy, *, geometry: Geometry):
+    return jax.ffi.ffi_lowering(_ffi.BACKWARD_TARGET)(
+        ctx, dy, geometry=geometry.attributes(), strategy=geometry.strategy_attribute()
+    )
+
+
+def _pool_transpose_rule(ct, x, *, geometry: Geometry):
+    assert ad.is_undefined_primal(x)
+    return [pool_transpose_p.bind(ct, geometry=geometry)]
+
+
+def _pool_transpose_transpose_rule(ct, dy, *, geometry: Geometry):
+    assert ad.is_undefined_primal(dy)
+    return [pool_p.bind(ct, geometry=geometry)]
+
+
+def _batcher(prim: Primitive):
+    def rule(args, dims, *, geometry: Geometry):
+        (x,), (d,) = args, dims
+        # The last three axes are pooled; any other axis is a batch axis.
+        if d >= x.ndim - 3:
+            x = jnp.moveaxis(x, d, 0)
+            d = 0
+        return prim.bind(x, geometry=geometry), d
+
+    return rule
+
+
+for _prim, _abstract, _lowering, _transpose in (
+    (pool_p, _pool_abstract_eval, _pool_lowering, _pool_transpose_rule),
+    (
+        pool_transpose_p,
+        _pool_transpose_abstract_eval,
+        _pool_transpose_lowering,
+        _pool_transpose_transpose_rule,
+    ),
+):
+    _prim.def_impl(_impl(_prim))
+    _prim.def_abstract_eval(_abstract)
+    for _platform in _ffi.REGISTERED_PLATFORMS:
+        mlir.register_lowering(_prim, _lowering, platform=_platform)
+    ad.deflinear2(_prim, _transpose)
+    batching.primitive_batchers[_prim] = _batcher(_prim)
