@@ -80,6 +80,18 @@ def _pool_transpose_transpose_rule(ct, dy, *, geometry: Geometry):
     return [pool_p.bind(ct, geometry=geometry)]
 
 
+def _unavailable_lowering(platform: str):
+    def lowering(ctx, *args, geometry: Geometry):
+        raise NotImplementedError(
+            f"jax_avgpool has no {platform} kernels in this build "
+            f"(built for: {', '.join(_ffi.REGISTERED_PLATFORMS)}). Rebuild it where a CUDA "
+            "compiler is available (JAX_AVGPOOL_CUDA=ON pip install .), or place the arrays "
+            "on the CPU."
+        )
+
+    return lowering
+
+
 def _batcher(prim: Primitive):
     def rule(args, dims, *, geometry: Geometry):
         (x,), (d,) = args, dims
@@ -103,7 +115,10 @@ for _prim, _abstract, _lowering, _transpose in (
 ):
     _prim.def_impl(_impl(_prim))
     _prim.def_abstract_eval(_abstract)
-    for _platform in _ffi.REGISTERED_PLATFORMS:
-        mlir.register_lowering(_prim, _lowering, platform=_platform)
+    for _platform in ("cpu", "cuda", "rocm"):
+        if _platform in _ffi.REGISTERED_PLATFORMS:
+            mlir.register_lowering(_prim, _lowering, platform=_platform)
+        else:
+            mlir.register_lowering(_prim, _unavailable_lowering(_platform), platform=_platform)
     ad.deflinear2(_prim, _transpose)
     batching.primitive_batchers[_prim] = _batcher(_prim)
