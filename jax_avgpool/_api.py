@@ -12,8 +12,7 @@ import numpy as np
 from . import _ffi
 from ._geometry import check_dtype, flax_geometry, torch_geometry
 from ._primitives import pool_p
-
-__version__ = "0.1.0"
+from ._version import __version__
 
 IntOrPair = int | tuple[int, int] | Sequence[int]
 Padding = str | Sequence[tuple[int, int]]

@@ -310,7 +310,8 @@ def flax_geometry(
                 f"pairs; got {padding!r}"
             )
         pads = tuple(
-            (int(lo), int(hi)) for lo, hi in lax.padtype_to_pads(in_hw, kernel, stride, padding.upper())
+            (int(lo), int(hi))
+            for lo, hi in lax.padtype_to_pads(in_hw, kernel, stride, padding.upper())
         )
     else:
         pads = _explicit_pads(padding)
@@ -330,7 +331,9 @@ def flax_geometry(
 
 
 def _explicit_pads(padding: Any) -> tuple[tuple[int, int], tuple[int, int]]:
-    message = f"padding must be 'SAME', 'VALID' or a sequence of 2 (low, high) int pairs; got {padding!r}"
+    message = (
+        f"padding must be 'SAME', 'VALID' or a sequence of 2 (low, high) int pairs; got {padding!r}"
+    )
     if not isinstance(padding, Sequence | np.ndarray) or len(padding) != 2:
         raise ValueError(message)
     pads = []

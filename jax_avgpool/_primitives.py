@@ -28,7 +28,7 @@ pool_p = Primitive("jax_avgpool_pool")
 pool_transpose_p = Primitive("jax_avgpool_pool_transpose")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=256)
 def _compiled(prim: Primitive, geometry: Geometry):
     return jax.jit(functools.partial(prim.bind, geometry=geometry))
 

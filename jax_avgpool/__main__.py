@@ -1,0 +1,118 @@
+"""Command line: ``python -m jax_avgpool {demo,info}``.
+
+Every subcommand is one :class:`Subcommand` entry in :data:`SUBCOMMANDS`: a
+help line, a function that adds its options to its parser (argparse only,
+nothing heavy), and a function that runs it. Run functions import their
+module only when called, so parsing the command line and ``info`` stay fast
+whatever the other subcommands need. Adding one (``bench``, say) is adding
+an entry whose run function is ``_lazy("jax_avgpool._bench", "run")``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+RunFn = Callable[[argparse.Namespace], int | None]
+
+
+class Subcommand(NamedTuple):
+    """One subcommand: its help line, its options and what runs it."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: RunFn
+
+
+def _lazy(module: str, function: str) -> RunFn:
+    """A run function that imports ``module`` only when it is called."""
+
+    def run(args: argparse.Namespace) -> int | None:
+        return getattr(importlib.import_module(module), function)(args)
+
+    return run
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _info_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the build info as JSON")
+
+
+def _info(args: argparse.Namespace) -> int:
+    """Print :func:`jax_avgpool.build_info` as ``key: value`` lines or JSON."""
+    from . import build_info
+
+    info = build_info()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    width = max(map(len, info)) + 1
+    for key, value in info.items():
+        if isinstance(value, bool):
+            value = "yes" if value else "no"
+        elif isinstance(value, list | tuple):
+            value = ", ".join(map(str, value)) or "-"
+        print(f"{key + ':':<{width}} {value}")
+    return 0
+
+
+def _demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--epochs", type=_positive_int, default=10, help="default: 10")
+    parser.add_argument("--batch-size", type=_positive_int, default=64, help="default: 64")
+    parser.add_argument("--seed", type=int, default=0, help="data split and init (default: 0)")
+    parser.add_argument("--layout", choices=("NCHW", "NHWC"), default="NHWC", help="default: NHWC")
+    parser.add_argument(
+        "--no-compare",
+        dest="compare",
+        action="store_false",
+        help="skip the timing against jax.lax.reduce_window",
+    )
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "demo": Subcommand(
+        "train a small CNN on scikit-learn's 8x8 digits with avg_pool2d",
+        _demo_arguments,
+        _lazy("jax_avgpool._demo", "run"),
+    ),
+    "info": Subcommand(
+        "show how this installation was built",
+        _info_arguments,
+        _info,
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser with one subparser per entry of :data:`SUBCOMMANDS`."""
+    parser = argparse.ArgumentParser(
+        prog="python -m jax_avgpool",
+        description="2-D average pooling for JAX as XLA FFI kernels.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, command in SUBCOMMANDS.items():
+        sub = commands.add_parser(name, help=command.help, description=command.help)
+        command.add_arguments(sub)
+        sub.set_defaults(run=command.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default: ``sys.argv[1:]``), run the subcommand, return its status."""
+    args = build_parser().parse_args(argv)
+    return args.run(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
