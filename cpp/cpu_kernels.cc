@@ -5,12 +5,13 @@
 // dimensions folded into one batch) in either layout. 16-bit types are
 // loaded into float32 accumulators one element at a time; float32 and
 // float64 accumulate in their own type. Offsets are 64-bit throughout.
-#include <cstdint>
+#include "cpu_kernels.h"
+
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
-#include "cpu_kernels.h"
 #include "ffi_common.h"
 #include "pooling.h"
 #include "xla/ffi/api/ffi.h"
@@ -107,8 +108,8 @@ struct Num<BFloat16> {
 // Geometry tables computed once per call.
 
 struct Tables {
-  std::vector<Window> rows;  // per output row
-  std::vector<Window> cols;  // per output column
+  std::vector<Window> rows;      // per output row
+  std::vector<Window> cols;      // per output column
   std::vector<Cover> row_cover;  // per input row: covering output rows
   std::vector<Cover> col_cover;  // per input column
 };
@@ -120,11 +121,11 @@ Tables MakeTables(const PoolAttrs& a, const PoolShape& s) {
   t.row_cover.resize(s.in_h);
   t.col_cover.resize(s.in_w);
   for (int64_t o = 0; o < s.out_h; ++o)
-    t.rows[o] = WindowAt(o, s.in_h, a.kernel_h, a.stride_h, a.pad_top,
-                         a.pad_bottom);
+    t.rows[o] =
+        WindowAt(o, s.in_h, a.kernel_h, a.stride_h, a.pad_top, a.pad_bottom);
   for (int64_t o = 0; o < s.out_w; ++o)
-    t.cols[o] = WindowAt(o, s.in_w, a.kernel_w, a.stride_w, a.pad_left,
-                         a.pad_right);
+    t.cols[o] =
+        WindowAt(o, s.in_w, a.kernel_w, a.stride_w, a.pad_left, a.pad_right);
   for (int64_t i = 0; i < s.in_h; ++i)
     t.row_cover[i] = CoverOf(i, s.out_h, a.kernel_h, a.stride_h, a.pad_top);
   for (int64_t i = 0; i < s.in_w; ++i)
@@ -313,9 +314,9 @@ ffi::Error DispatchFloat(ffi::DataType type, Fn&& fn) {
   }
 }
 
-ffi::Error ForwardImpl(ffi::AnyBuffer x,                // x
-                       ffi::Result<ffi::AnyBuffer> y,   // y
-                       PoolAttrs geometry) {            // geometry
+ffi::Error ForwardImpl(ffi::AnyBuffer x,               // x
+                       ffi::Result<ffi::AnyBuffer> y,  // y
+                       PoolAttrs geometry) {           // geometry
   PoolShape s;
   if (ffi::Error e = CheckShapes(geometry, x, *y, &s); e.failure()) return e;
   return DispatchFloat(x.element_type(), [&](auto tag) {
@@ -350,14 +351,14 @@ ffi::Error BackwardImpl(ffi::AnyBuffer dy,               // dy
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxAvgPoolForwardCpu, jax_avgpool::ForwardImpl,
     xla::ffi::Ffi::Bind()
-        .Arg<xla::ffi::AnyBuffer>()                       // x
-        .Ret<xla::ffi::AnyBuffer>()                       // y
-        .Attr<jax_avgpool::PoolAttrs>("geometry"));       // geometry
+        .Arg<xla::ffi::AnyBuffer>()                  // x
+        .Ret<xla::ffi::AnyBuffer>()                  // y
+        .Attr<jax_avgpool::PoolAttrs>("geometry"));  // geometry
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxAvgPoolBackwardCpu, jax_avgpool::BackwardImpl,
     xla::ffi::Ffi::Bind()
-        .Arg<xla::ffi::AnyBuffer>()                       // dy
-        .Ret<xla::ffi::AnyBuffer>()                       // dx
-        .Attr<jax_avgpool::PoolAttrs>("geometry")         // geometry
-        .Attr<int64_t>("strategy"));                      // strategy
+        .Arg<xla::ffi::AnyBuffer>()                // dy
+        .Ret<xla::ffi::AnyBuffer>()                // dx
+        .Attr<jax_avgpool::PoolAttrs>("geometry")  // geometry
+        .Attr<int64_t>("strategy"));               // strategy

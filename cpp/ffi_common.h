@@ -11,8 +11,7 @@
 #include "xla/ffi/api/ffi.h"
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
-    ::jax_avgpool::PoolAttrs,
-    ::xla::ffi::StructMember<int64_t>("kernel_h"),
+    ::jax_avgpool::PoolAttrs, ::xla::ffi::StructMember<int64_t>("kernel_h"),
     ::xla::ffi::StructMember<int64_t>("kernel_w"),
     ::xla::ffi::StructMember<int64_t>("stride_h"),
     ::xla::ffi::StructMember<int64_t>("stride_w"),
