@@ -234,6 +234,11 @@ def torch_geometry(
             f"x must have rank 3 or 4, {names} for layout {layout!r}; got shape {tuple(shape)}"
         )
     check_dtype(dtype, "x")
+    if min(shape[-3:]) < 1:
+        raise ValueError(
+            f"x must have non-zero channel and spatial dimensions (only the batch may be "
+            f"empty); got shape {tuple(shape)}"
+        )
     kernel = _at_least_one(as_pair(kernel_size, "kernel_size"), "kernel_size")
     if stride is None or (isinstance(stride, Sequence) and len(stride) == 0):
         stride_pair = kernel

@@ -1,0 +1,213 @@
+"""The FFI handlers reject inconsistent calls with an error (not a crash); build_info()."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+import pytest
+
+import jax_avgpool
+from jax_avgpool import _ffi, avg_pool2d
+
+# Geometry of every call: kernel 2, stride 2, NCHW, on a (2, 3, 8, 7) image,
+# whose pooled shape is (2, 3, 4, 3).
+X_SHAPE, Y_SHAPE = (2, 3, 8, 7), (2, 3, 4, 3)
+
+
+def call(expect: str, **changes) -> dict:
+    """One FFI call: a forward call on consistent shapes, with ``changes``.
+
+    ``attrs`` changes the geometry attributes (None drops one); ``expect`` is
+    a fragment of the expected error message.
+    """
+    spec = dict(
+        kind="forward", in_shape=X_SHAPE, in_dtype="float32", out_shape=Y_SHAPE,
+        out_dtype="float32", attrs={}, strategy=None, expect=expect,
+    )  # fmt: skip
+    spec.update(changes)
+    return spec
+
+
+def backward_call(expect: str, **changes) -> dict:
+    """A backward call (dy -> dx), gather strategy unless changed."""
+    return call(
+        expect,
+        **{"kind": "backward", "in_shape": Y_SHAPE, "out_shape": X_SHAPE, "strategy": 0, **changes},
+    )
+
+
+BAD_CALLS = {
+    "out-height": call("pooled size", out_shape=(2, 3, 5, 3)),
+    "out-width": call("pooled size", out_shape=(2, 3, 4, 4)),
+    "out-batch": call("leading dimensions", out_shape=(3, 3, 4, 3)),
+    "out-channels": call("channel", out_shape=(2, 4, 4, 3)),
+    "out-rank": call("rank", out_shape=(3, 4, 3)),
+    "in-rank-2": call("rank", in_shape=(8, 7), out_shape=(4, 3)),
+    "out-dtype": call("element types", out_dtype="float16"),
+    "int32": call("unsupported element type", in_dtype="int32", out_dtype="int32"),
+    "no-window-fits": call("pooled size", attrs={"kernel_h": 9}),
+    "kernel-0": call("kernel", attrs={"kernel_w": 0}),
+    "stride-0": call("stride", attrs={"stride_h": 0}),
+    "pad-negative": call("padding", attrs={"pad_left": -1}),
+    "ceil-2": call("ceil_mode", attrs={"ceil_mode": 2}),
+    "divisor-mode-7": call("divisor_mode", attrs={"divisor_mode": 7}),
+    "override-0": call("divisor_override", attrs={"divisor_mode": 2, "divisor_override": 0}),
+    "layout-5": call("layout", attrs={"layout": 5}),
+    "bwd-strategy-2": backward_call("strategy", strategy=2),
+    "bwd-dx-shape": backward_call("pooled size", out_shape=(2, 3, 10, 7)),
+    "bwd-dy-shape": backward_call("pooled size", in_shape=(2, 3, 4, 4), strategy=1),
+    "bwd-stride-0": backward_call("stride", attrs={"stride_w": 0}),
+    "bwd-int16": backward_call("unsupported element type", in_dtype="int16", out_dtype="int16"),
+    # Attribute decoding is XLA's: its message does not name the package.
+    "missing-attr": call("attributes", attrs={"layout": None}),
+    "extra-attr": call("attributes", attrs={"extra": 1}),
+}
+XLA_DECODING = {"missing-attr", "extra-attr"}
+
+# The child process makes every bad call, records type and message, then
+# runs a good pooling: it must get there and exit normally.
+CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from jax_avgpool import _ffi, avg_pool2d
+
+    calls = json.loads(sys.argv[1])
+    results = {}
+    for name, c in calls.items():
+        attrs = {
+            "kernel_h": 2, "kernel_w": 2, "stride_h": 2, "stride_w": 2, "pad_top": 0,
+            "pad_bottom": 0, "pad_left": 0, "pad_right": 0, "ceil_mode": 0,
+            "divisor_mode": 0, "divisor_override": 0, "layout": 0,
+        }
+        attrs.update(c["attrs"])
+        attrs = {k: np.int64(v) for k, v in attrs.items() if v is not None}
+        target = _ffi.FORWARD_TARGET if c["kind"] == "forward" else _ffi.BACKWARD_TARGET
+        extra = {} if c["strategy"] is None else {"strategy": np.int64(c["strategy"])}
+        x = jnp.ones(c["in_shape"], c["in_dtype"])
+        out = jax.ShapeDtypeStruct(tuple(c["out_shape"]), c["out_dtype"])
+        call = jax.ffi.ffi_call(target, out)
+        try:
+            jax.block_until_ready(call(x, geometry=attrs, **extra))
+            results[name] = None
+        except Exception as err:
+            results[name] = [type(err).__name__, str(err)]
+    y = avg_pool2d(jnp.arange(16.0).reshape(1, 1, 4, 4), 2)
+    results["__after__"] = np.asarray(y).ravel().tolist()
+    print(json.dumps(results))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def bad_call_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Runs every bad call in one child process (so a crash cannot take pytest down)."""
+    cwd = tmp_path_factory.mktemp("ffi")  # not the repository root: import the installed package
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(BAD_CALLS)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"child died (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", sorted(BAD_CALLS))
+def test_handler_rejects_bad_call(name: str, bad_call_results: dict) -> None:
+    """Each inconsistent call raises a runtime error naming the rule it broke."""
+    result = bad_call_results[name]
+    assert result is not None, f"{name}: the handler accepted an inconsistent call"
+    kind, message = result
+    assert "RuntimeError" in kind or "Error" in kind, kind
+    if name not in XLA_DECODING:
+        assert "jax_avgpool" in message, message
+    assert BAD_CALLS[name]["expect"] in message, message
+
+
+def test_process_survives_bad_calls(bad_call_results: dict) -> None:
+    """After all the bad calls the child still pools correctly."""
+    assert bad_call_results["__after__"] == [2.5, 4.5, 10.5, 12.5]
+
+
+def test_in_process_error_then_success() -> None:
+    """In this process too: an inconsistent call raises, and pooling still works after it."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(X_SHAPE), jnp.float32)
+    geometry = jax.make_jaxpr(lambda v: avg_pool2d(v, 2))(x).eqns[0].params["geometry"]
+    attrs = geometry.attributes()
+    assert set(attrs) == {
+        "kernel_h", "kernel_w", "stride_h", "stride_w", "pad_top", "pad_bottom",
+        "pad_left", "pad_right", "ceil_mode", "divisor_mode", "divisor_override", "layout",
+    }  # fmt: skip
+    call = jax.ffi.ffi_call(_ffi.FORWARD_TARGET, jax.ShapeDtypeStruct((2, 3, 4, 4), x.dtype))
+    with pytest.raises(Exception, match="jax_avgpool") as info:
+        jax.block_until_ready(call(x, geometry=attrs))
+    assert isinstance(info.value, (jax.errors.JaxRuntimeError, RuntimeError))
+    bad = dict(attrs, divisor_mode=np.int64(7))
+    call = jax.ffi.ffi_call(_ffi.FORWARD_TARGET, jax.ShapeDtypeStruct(Y_SHAPE, x.dtype))
+    with pytest.raises(Exception, match="jax_avgpool.*divisor_mode"):
+        jax.block_until_ready(call(x, geometry=bad))
+    # The correct call through ffi_call equals avg_pool2d.
+    good = call(x, geometry=attrs)
+    np.testing.assert_array_equal(good, avg_pool2d(x, 2))
+    windows = x[..., :6].reshape(2, 3, 4, 2, 3, 2)
+    np.testing.assert_allclose(good, windows.mean((3, 5)), rtol=1e-6)
+
+
+# --------------------------------------------------------------------------
+# build_info()
+
+
+def test_build_info() -> None:
+    info = jax_avgpool.build_info()
+    expected_types = {
+        "version": str,
+        "jax": str,
+        "jaxlib": str,
+        "cpu": bool,
+        "cuda": bool,
+        "platforms": list,
+        "numpy": str,
+        "xla_ffi_api": str,
+    }
+    for key, kind in expected_types.items():
+        assert isinstance(info[key], kind), (key, info.get(key))
+    assert info["version"] == jax_avgpool.__version__ == importlib.metadata.version("jax_avgpool")
+    assert info["jax"] == jax.__version__
+    assert info["jaxlib"] == jaxlib.__version__
+    assert info["numpy"] == np.__version__
+    assert info["cpu"] is True and "cpu" in info["platforms"]
+    assert ("cuda" in info["platforms"]) == info["cuda"]
+    assert set(info["platforms"]) <= {"cpu", "cuda"}
+    assert re.fullmatch(r"\d+\.\d+", info["xla_ffi_api"])
+    assert all(isinstance(k, str) for k in info)
+    # A fresh dict each call: callers may mutate it.
+    info["version"] = "changed"
+    assert jax_avgpool.build_info()["version"] == jax_avgpool.__version__
+
+
+def test_targets_registered_for_cpu() -> None:
+    """The two custom-call targets are what the primitives lower to on the CPU."""
+    assert _ffi.FORWARD_TARGET == "jax_avgpool_forward"
+    assert _ffi.BACKWARD_TARGET == "jax_avgpool_backward"
+    assert "cpu" in _ffi.REGISTERED_PLATFORMS
+    x = jnp.ones((1, 1, 4, 4))
+    text = jax.jit(lambda v: avg_pool2d(v, 2)).lower(x).as_text()
+    assert f'"{_ffi.FORWARD_TARGET}"' in text or _ffi.FORWARD_TARGET in text
+
+
+def test_installed_package_is_tested() -> None:
+    """conftest made ``import jax_avgpool`` find a build that has its extension."""
+    package = Path(jax_avgpool.__file__).resolve().parent
+    assert any(package.glob("_jax_avgpool*")), package

@@ -1,0 +1,132 @@
+"""The oracle comparisons on a GPU; skipped when JAX sees no GPU."""
+
+from __future__ import annotations
+
+import functools
+
+import cases
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from cases import (
+    DTYPES,
+    F32,
+    F64,
+    FLAX_CASES,
+    TORCH_CASES,
+    FlaxCase,
+    TorchCase,
+    assert_close,
+    dtype_mode,
+    dtype_name,
+    random_array,
+)
+from jax.test_util import check_grads
+
+from jax_avgpool import avg_pool, avg_pool2d, build_info
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def gpu() -> jax.Device:
+    devices = cases.gpu_devices()
+    if not devices:  # pragma: no cover - the marker already skips
+        pytest.skip("no GPU visible to JAX")
+    return devices[0]
+
+
+def _on(device: jax.Device, *arrays: np.ndarray) -> list[jax.Array]:
+    return [jax.device_put(a, device) for a in arrays]
+
+
+def test_cuda_handlers_built() -> None:
+    """A GPU is visible, so the package must have been built with its CUDA handlers."""
+    info = build_info()
+    assert info["cuda"] is True and "cuda" in info["platforms"], info
+
+
+GPU_TORCH_PARAMS = [
+    pytest.param(case, DTYPES[i % 4], id=f"{i}-{case}-{dtype_name(DTYPES[i % 4])}")
+    for i, case in enumerate(TORCH_CASES[::3])
+]
+
+
+@pytest.mark.parametrize(("case", "dtype"), GPU_TORCH_PARAMS)
+def test_avg_pool2d_on_gpu_matches_oracle(
+    case: TorchCase, dtype: np.dtype, gpu: jax.Device, rng: np.random.Generator
+) -> None:
+    """Forward and both gradient strategies, computed on the GPU, equal the oracle."""
+    x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
+
+    def run(x, g):
+        y, pull_gather = jax.vjp(functools.partial(avg_pool2d, **case.kwargs("gather")), x)
+        _, pull_scatter = jax.vjp(functools.partial(avg_pool2d, **case.kwargs("scatter")), x)
+        return y, pull_gather(g)[0], pull_scatter(g)[0]
+
+    with dtype_mode(dtype):
+        y, dx_gather, dx_scatter = jax.jit(run)(*_on(gpu, x, g))
+    assert y.devices() == {gpu} and dx_gather.devices() == {gpu}
+    assert y.dtype == dx_gather.dtype == dx_scatter.dtype == dtype
+    assert_close(y, case.oracle_forward(x), dtype, "forward")
+    assert_close(dx_gather, case.oracle_vjp(g), dtype, "gather gradient")
+    assert_close(dx_scatter, case.oracle_vjp(g), dtype, "scatter gradient")
+
+
+@pytest.mark.parametrize("case", FLAX_CASES[::4], ids=str)
+def test_avg_pool_on_gpu_matches_oracle(
+    case: FlaxCase, gpu: jax.Device, rng: np.random.Generator
+) -> None:
+    x = random_array(rng, case.shape, F32)
+    (xd,) = _on(gpu, x)
+    y, pullback = jax.vjp(functools.partial(avg_pool, **case.kwargs()), xd)
+    g = random_array(rng, y.shape, F32)
+    assert y.devices() == {gpu}
+    assert_close(y, case.oracle_forward(x), F32, "forward")
+    assert_close(pullback(jax.device_put(g, gpu))[0], case.oracle_vjp(g), F32, "gradient")
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_gather_gradient_bitwise_deterministic_on_gpu(
+    layout: str, dtype: np.dtype, gpu: jax.Device, rng: np.random.Generator
+) -> None:
+    """Gather gradients are bitwise identical across runs; scatter agrees within tolerance."""
+    case = TorchCase(
+        (8, 16, 33, 31), 5, 2, 2, ceil_mode=True, count_include_pad=False, layout=layout
+    )
+    x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
+    with dtype_mode(dtype):
+        xd, gd = _on(gpu, x, g)
+        grads = {}
+        for backward in ("gather", "scatter"):
+            f = functools.partial(avg_pool2d, **case.kwargs(backward))
+            grad = jax.jit(lambda v, f=f: jax.vjp(f, v)[1](gd)[0])
+            grads[backward] = [np.asarray(grad(xd)) for _ in range(5)]
+    for other in grads["gather"][1:]:
+        np.testing.assert_array_equal(grads["gather"][0], other)
+    assert_close(grads["gather"][0], case.oracle_vjp(g), dtype, "gather")
+    for run in grads["scatter"]:
+        assert_close(run, grads["gather"][0], dtype, "scatter vs gather")
+
+
+def test_nan_propagation_on_gpu_matches_cpu(gpu: jax.Device, rng: np.random.Generator) -> None:
+    case = TorchCase((2, 3, 9, 8), 3, 2, 1, ceil_mode=True)
+    x = random_array(rng, case.shape, F32)
+    x[0, 1, 4, 4], x[1, 2, 0, 7], x[1, 0, 8, 0] = np.nan, np.inf, -np.inf
+    f = functools.partial(avg_pool2d, **case.kwargs())
+    y_gpu = np.asarray(f(jax.device_put(x, gpu)))
+    y_cpu = np.asarray(f(jax.device_put(x, jax.devices("cpu")[0])))
+    np.testing.assert_array_equal(np.isnan(y_gpu), np.isnan(y_cpu))
+    np.testing.assert_allclose(y_gpu, y_cpu, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.usefixtures("x64")
+def test_vmap_and_check_grads_on_gpu(gpu: jax.Device, rng: np.random.Generator) -> None:
+    case = TorchCase((2, 3, 7, 6), 3, 2, 1, ceil_mode=True, count_include_pad=False)
+    f = functools.partial(avg_pool2d, **case.kwargs())
+    stacked = random_array(rng, (3, *case.shape), F64)
+    xs = jax.device_put(jnp.asarray(np.moveaxis(stacked, 0, 2)), gpu)
+    assert_close(jax.vmap(f, in_axes=2)(xs), case.oracle_forward(stacked), F64)
+    check_grads(f, (xs[:, :, 0],), order=2, modes=("fwd", "rev"))
