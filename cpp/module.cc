@@ -3,9 +3,13 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include "cpu_kernels.h"
+#include "kernel_spec.h"
+#include "pooling.h"
 
 namespace nb = nanobind;
 
@@ -42,6 +46,32 @@ nb::dict BuildInfo() {
   return info;
 }
 
+// The id of the kernel that `op` ("forward", "backward_gather" or
+// "backward_scatter") launches for these attributes and dtype name.
+std::string KernelIdOf(const std::string& op, const nb::dict& geometry,
+                       const std::string& dtype) {
+  const auto get = [&](const char* key) {
+    return nb::cast<int64_t>(geometry[key]);
+  };
+  jax_avgpool::PoolAttrs a{
+      get("kernel_h"),     get("kernel_w"),         get("stride_h"),
+      get("stride_w"),     get("pad_top"),          get("pad_bottom"),
+      get("pad_left"),     get("pad_right"),        get("ceil_mode"),
+      get("divisor_mode"), get("divisor_override"), get("layout")};
+  using jax_avgpool::Op;
+  Op kind;
+  if (op == "forward") {
+    kind = Op::kForward;
+  } else if (op == "backward_gather") {
+    kind = Op::kBackwardGather;
+  } else if (op == "backward_scatter") {
+    kind = Op::kBackwardScatter;
+  } else {
+    throw nb::value_error(("unknown op " + op).c_str());
+  }
+  return jax_avgpool::KernelIdFor(kind, a, dtype);
+}
+
 }  // namespace
 
 NB_MODULE(_jax_avgpool, m) {
@@ -49,4 +79,6 @@ NB_MODULE(_jax_avgpool, m) {
   m.def("registrations", &Registrations,
         "Handler capsules as {platform: {target name: capsule}}.");
   m.def("build_info", &BuildInfo, "How this extension was built.");
+  m.def("kernel_id", &KernelIdOf, nb::arg("op"), nb::arg("geometry"),
+        nb::arg("dtype"), "Id of the kernel a call launches.");
 }

@@ -12,7 +12,7 @@ import pkgutil
 # itself for it.
 __path__ = pkgutil.extend_path(__path__, __name__)
 
-from ._api import avg_pool, avg_pool2d, build_info  # noqa: E402
+from ._api import avg_pool, avg_pool2d, build_info, plan  # noqa: E402
 from ._version import __version__  # noqa: E402
 
-__all__ = ["__version__", "avg_pool", "avg_pool2d", "build_info"]
+__all__ = ["__version__", "avg_pool", "avg_pool2d", "build_info", "plan"]

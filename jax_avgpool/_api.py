@@ -118,6 +118,60 @@ def avg_pool(
     return pool_p.bind(inputs, geometry=geometry)
 
 
+_DTYPE_NAMES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}
+
+
+def plan(
+    x: Any,
+    kernel_size: IntOrPair,
+    stride: IntOrPair | None = None,
+    padding: IntOrPair = 0,
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+    divisor_override: int | None = None,
+    *,
+    layout: str = "NCHW",
+    backward: str = "gather",
+    platform: str | None = None,
+) -> dict[str, str]:
+    """The kernels that ``avg_pool2d`` with these arguments launches.
+
+    ``x`` is an array or anything with ``shape`` and ``dtype``
+    (``jax.ShapeDtypeStruct``). Returns ``{"platform", "forward",
+    "backward"}``: the platform (``platform`` or JAX's default backend) and
+    the ids of the forward and backward kernels, each its name, dtype and
+    compile-time constants joined by ``"__"`` (KH, KW, STRIDE_H, STRIDE_W,
+    BLOCK_OW), e.g. ``avgpool2d_backward_gather__bf16__3__3__2__2__4``, or
+    ``...__generic`` for the runtime-parameter kernel.
+    """
+    shape, dtype = tuple(x.shape), np.dtype(x.dtype)
+    geometry = torch_geometry(
+        shape,
+        dtype,
+        kernel_size,
+        stride,
+        padding,
+        ceil_mode,
+        count_include_pad,
+        divisor_override,
+        layout,
+        backward,
+    )
+    platform = platform or jax.default_backend()
+    if platform not in _ffi.REGISTERED_PLATFORMS:
+        raise ValueError(
+            f"platform {platform!r} has no jax_avgpool kernels in this build "
+            f"(built for: {', '.join(_ffi.REGISTERED_PLATFORMS)})"
+        )
+    attrs = {k: int(v) for k, v in geometry.attributes().items()}
+    name = _DTYPE_NAMES[dtype.name]
+    return {
+        "platform": platform,
+        "forward": _ffi.kernel_id("forward", attrs, name),
+        "backward": _ffi.kernel_id(f"backward_{geometry.backward}", attrs, name),
+    }
+
+
 def build_info() -> dict[str, Any]:
     """How this installation was built and what it can run on.
 

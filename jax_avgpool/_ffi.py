@@ -33,6 +33,11 @@ def _register() -> tuple[str, ...]:
 REGISTERED_PLATFORMS = _register()
 
 
+def kernel_id(op: str, geometry: dict[str, int], dtype: str) -> str:
+    """Id of the kernel that ``op`` launches (cpp/kernel_spec.h names them)."""
+    return _ext.kernel_id(op, geometry, dtype)
+
+
 def extension_info() -> dict[str, Any]:
     """What the extension says about its own build."""
     return dict(_ext.build_info())

@@ -1,0 +1,78 @@
+// Which kernel a call launches: compile-time specialisations of the common
+// pooling configurations, a runtime-parameter ("generic") kernel for every
+// other one, and the kernel ids that name them. Shared by the CPU and CUDA
+// code so that both choose, and name, their kernels the same way.
+#ifndef JAX_AVGPOOL_KERNEL_SPEC_H_
+#define JAX_AVGPOOL_KERNEL_SPEC_H_
+
+#include <cstdint>
+#include <string>
+
+#include "pooling.h"
+
+namespace jax_avgpool {
+
+// Compile-time constants of one kernel: window KH x KW, strides SH, SW, and
+// BLOCK adjacent outputs (or, for the gather backward, inputs) along W per
+// thread. KH == 0 marks the generic kernel, whose window and strides are
+// runtime values.
+template <int KH_, int KW_, int SH_, int SW_, int BLOCK_>
+struct Spec {
+  static constexpr int KH = KH_;
+  static constexpr int KW = KW_;
+  static constexpr int SH = SH_;
+  static constexpr int SW = SW_;
+  static constexpr int BLOCK = BLOCK_;
+  static constexpr bool kGeneric = KH_ == 0;
+};
+
+using GenericSpec = Spec<0, 0, 0, 0, 1>;
+
+// Calls fn(Spec<...>{}) with the specialisation matching the attributes, or
+// GenericSpec. Every platform compiles exactly these.
+template <typename Fn>
+decltype(auto) WithSpec(const PoolAttrs& a, Fn&& fn) {
+  const auto is = [&](int kh, int kw, int sh, int sw) {
+    return a.kernel_h == kh && a.kernel_w == kw && a.stride_h == sh &&
+           a.stride_w == sw;
+  };
+  if (is(2, 2, 2, 2)) return fn(Spec<2, 2, 2, 2, 4>{});
+  if (is(3, 3, 1, 1)) return fn(Spec<3, 3, 1, 1, 4>{});
+  if (is(3, 3, 2, 2)) return fn(Spec<3, 3, 2, 2, 4>{});
+  if (is(7, 7, 1, 1)) return fn(Spec<7, 7, 1, 1, 4>{});
+  return fn(GenericSpec{});
+}
+
+// Kernel names; NHWC kernels carry an "_nhwc" suffix.
+enum class Op { kForward, kBackwardGather, kBackwardScatter };
+
+inline std::string KernelName(Op op, int64_t layout) {
+  std::string name = op == Op::kForward          ? "avgpool2d_forward"
+                     : op == Op::kBackwardGather ? "avgpool2d_backward_gather"
+                                                 : "avgpool2d_backward_scatter";
+  if (layout == kNHWC) name += "_nhwc";
+  return name;
+}
+
+// name + dtype + constants joined by "__", e.g.
+// avgpool2d_backward_gather__bf16__3__3__2__2__4, or ...__f32__generic.
+template <typename S>
+std::string KernelId(Op op, int64_t layout, const std::string& dtype) {
+  std::string id = KernelName(op, layout) + "__" + dtype;
+  if (S::kGeneric) return id + "__generic";
+  for (int v : {S::KH, S::KW, S::SH, S::SW, S::BLOCK}) {
+    id += "__" + std::to_string(v);
+  }
+  return id;
+}
+
+inline std::string KernelIdFor(Op op, const PoolAttrs& a,
+                               const std::string& dtype) {
+  return WithSpec(a, [&](auto spec) {
+    return KernelId<decltype(spec)>(op, a.layout, dtype);
+  });
+}
+
+}  // namespace jax_avgpool
+
+#endif  // JAX_AVGPOOL_KERNEL_SPEC_H_
