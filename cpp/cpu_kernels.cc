@@ -316,7 +316,11 @@ ffi::Error DispatchFloat(ffi::DataType type, Fn&& fn) {
 
 ffi::Error ForwardImpl(ffi::AnyBuffer x,               // x
                        ffi::Result<ffi::AnyBuffer> y,  // y
-                       PoolAttrs geometry) {           // geometry
+                       ffi::Dictionary geometry_attr) {           // geometry
+  PoolAttrs geometry;
+  if (ffi::Error e = DecodeGeometry(geometry_attr, &geometry); e.failure()) {
+    return e;
+  }
   PoolShape s;
   if (ffi::Error e = CheckShapes(geometry, x, *y, &s); e.failure()) return e;
   return DispatchFloat(x.element_type(), [&](auto tag) {
@@ -328,9 +332,13 @@ ffi::Error ForwardImpl(ffi::AnyBuffer x,               // x
 
 ffi::Error BackwardImpl(ffi::AnyBuffer dy,               // dy
                         ffi::Result<ffi::AnyBuffer> dx,  // dx
-                        PoolAttrs geometry,              // geometry
+                        ffi::Dictionary geometry_attr,              // geometry
                         int64_t strategy) {              // strategy
   if (ffi::Error e = CheckStrategy(strategy); e.failure()) return e;
+  PoolAttrs geometry;
+  if (ffi::Error e = DecodeGeometry(geometry_attr, &geometry); e.failure()) {
+    return e;
+  }
   PoolShape s;
   if (ffi::Error e = CheckShapes(geometry, *dx, dy, &s); e.failure()) return e;
   return DispatchFloat(dy.element_type(), [&](auto tag) {
@@ -353,12 +361,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     xla::ffi::Ffi::Bind()
         .Arg<xla::ffi::AnyBuffer>()                  // x
         .Ret<xla::ffi::AnyBuffer>()                  // y
-        .Attr<jax_avgpool::PoolAttrs>("geometry"));  // geometry
+        .Attr<xla::ffi::Dictionary>("geometry"));  // geometry
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxAvgPoolBackwardCpu, jax_avgpool::BackwardImpl,
     xla::ffi::Ffi::Bind()
         .Arg<xla::ffi::AnyBuffer>()                // dy
         .Ret<xla::ffi::AnyBuffer>()                // dx
-        .Attr<jax_avgpool::PoolAttrs>("geometry")  // geometry
+        .Attr<xla::ffi::Dictionary>("geometry")  // geometry
         .Attr<int64_t>("strategy"));               // strategy

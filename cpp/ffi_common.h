@@ -1,32 +1,68 @@
 // What every FFI handler of this package shares, whatever the platform:
 // decoding of the `geometry` dictionary attribute into PoolAttrs, and the
-// checks that the buffers XLA hands over agree with it.
+// checks that the buffers XLA hands over agree with it. The dictionary is
+// decoded here, member by member, rather than by XLA's struct decoding, so
+// that a malformed attribute is always this package's InvalidArgument error.
 #ifndef JAX_AVGPOOL_FFI_COMMON_H_
 #define JAX_AVGPOOL_FFI_COMMON_H_
 
 #include <cstdint>
+#include <iterator>
 #include <string>
 
 #include "pooling.h"
 #include "xla/ffi/api/ffi.h"
 
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
-    ::jax_avgpool::PoolAttrs, ::xla::ffi::StructMember<int64_t>("kernel_h"),
-    ::xla::ffi::StructMember<int64_t>("kernel_w"),
-    ::xla::ffi::StructMember<int64_t>("stride_h"),
-    ::xla::ffi::StructMember<int64_t>("stride_w"),
-    ::xla::ffi::StructMember<int64_t>("pad_top"),
-    ::xla::ffi::StructMember<int64_t>("pad_bottom"),
-    ::xla::ffi::StructMember<int64_t>("pad_left"),
-    ::xla::ffi::StructMember<int64_t>("pad_right"),
-    ::xla::ffi::StructMember<int64_t>("ceil_mode"),
-    ::xla::ffi::StructMember<int64_t>("divisor_mode"),
-    ::xla::ffi::StructMember<int64_t>("divisor_override"),
-    ::xla::ffi::StructMember<int64_t>("layout"));
-
 namespace jax_avgpool {
 
 namespace ffi = ::xla::ffi;
+
+// The members of the `geometry` attribute, in PoolAttrs order.
+inline constexpr struct {
+  const char* name;
+  int64_t PoolAttrs::*member;
+} kGeometryMembers[] = {
+    {"kernel_h", &PoolAttrs::kernel_h},
+    {"kernel_w", &PoolAttrs::kernel_w},
+    {"stride_h", &PoolAttrs::stride_h},
+    {"stride_w", &PoolAttrs::stride_w},
+    {"pad_top", &PoolAttrs::pad_top},
+    {"pad_bottom", &PoolAttrs::pad_bottom},
+    {"pad_left", &PoolAttrs::pad_left},
+    {"pad_right", &PoolAttrs::pad_right},
+    {"ceil_mode", &PoolAttrs::ceil_mode},
+    {"divisor_mode", &PoolAttrs::divisor_mode},
+    {"divisor_override", &PoolAttrs::divisor_override},
+    {"layout", &PoolAttrs::layout},
+};
+
+// Decodes and validates the `geometry` dictionary attribute.
+inline ffi::Error DecodeGeometry(const ffi::Dictionary& geometry,
+                                 PoolAttrs* a) {
+  constexpr size_t kCount = std::size(kGeometryMembers);
+  if (geometry.size() != kCount) {
+    return ffi::Error::InvalidArgument(
+        "jax_avgpool: the geometry attribute must have exactly " +
+        std::to_string(kCount) + " int64 members (kernel_h ... layout), got " +
+        std::to_string(geometry.size()));
+  }
+  for (const auto& m : kGeometryMembers) {
+    if (!geometry.contains(m.name)) {
+      return ffi::Error::InvalidArgument(
+          std::string("jax_avgpool: the geometry attribute lacks ") + m.name);
+    }
+    ffi::ErrorOr<int64_t> value = geometry.get<int64_t>(m.name);
+    if (value.has_error()) {
+      return ffi::Error::InvalidArgument(std::string("jax_avgpool: geometry.") +
+                                         m.name + " must be an int64");
+    }
+    a->*m.member = *value;
+  }
+  if (const char* why = ValidateAttrs(*a)) {
+    return ffi::Error::InvalidArgument(std::string("jax_avgpool: ") + why);
+  }
+  return ffi::Error::Success();
+}
 
 inline std::string DimsToString(ffi::AnyBuffer::Dimensions d) {
   std::string s = "(";
@@ -37,15 +73,12 @@ inline std::string DimsToString(ffi::AnyBuffer::Dimensions d) {
   return s + ")";
 }
 
-// Checks that `in` (the pooled side: x for the forward, dx for the backward)
+// Checks, for valid attributes `a`, that `in` (the pooled side: x for the forward, dx for the backward)
 // and `out` (y, or dy) are consistent with the attributes, and returns the
 // folded logical shape. Leading dimensions (all but the last three) are
 // folded into one batch dimension.
 inline ffi::Error CheckShapes(const PoolAttrs& a, const ffi::AnyBuffer& in,
                               const ffi::AnyBuffer& out, PoolShape* shape) {
-  if (const char* why = ValidateAttrs(a)) {
-    return ffi::Error::InvalidArgument(std::string("jax_avgpool: ") + why);
-  }
   if (in.element_type() != out.element_type()) {
     return ffi::Error::InvalidArgument(
         "jax_avgpool: input and output element types differ");

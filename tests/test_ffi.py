@@ -68,11 +68,9 @@ BAD_CALLS = {
     "bwd-dy-shape": backward_call("pooled size", in_shape=(2, 3, 4, 4), strategy=1),
     "bwd-stride-0": backward_call("stride", attrs={"stride_w": 0}),
     "bwd-int16": backward_call("unsupported element type", in_dtype="int16", out_dtype="int16"),
-    # Attribute decoding is XLA's: its message does not name the package.
-    "missing-attr": call("attributes", attrs={"layout": None}),
-    "extra-attr": call("attributes", attrs={"extra": 1}),
+    "missing-attr": call("geometry attribute", attrs={"layout": None}),
+    "extra-attr": call("geometry attribute", attrs={"extra": 1}),
 }
-XLA_DECODING = {"missing-attr", "extra-attr"}
 
 # The child process makes every bad call, records type and message, then
 # runs a good pooling: it must get there and exit normally.
@@ -131,8 +129,7 @@ def test_handler_rejects_bad_call(name: str, bad_call_results: dict) -> None:
     assert result is not None, f"{name}: the handler accepted an inconsistent call"
     kind, message = result
     assert "RuntimeError" in kind or "Error" in kind, kind
-    if name not in XLA_DECODING:
-        assert "jax_avgpool" in message, message
+    assert "jax_avgpool" in message, message
     assert BAD_CALLS[name]["expect"] in message, message
 
 
@@ -207,7 +204,7 @@ def test_targets_registered_for_cpu() -> None:
     assert f'"{_ffi.FORWARD_TARGET}"' in text or _ffi.FORWARD_TARGET in text
 
 
-def test_installed_package_is_tested() -> None:
-    """conftest made ``import jax_avgpool`` find a build that has its extension."""
-    package = Path(jax_avgpool.__file__).resolve().parent
-    assert any(package.glob("_jax_avgpool*")), package
+def test_compiled_extension_is_loaded() -> None:
+    """The package found its compiled extension (also when run from a clone)."""
+    extension = Path(_ffi._ext.__file__)
+    assert extension.name.startswith("_jax_avgpool") and extension.is_file(), extension
