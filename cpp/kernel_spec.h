@@ -59,11 +59,14 @@ inline std::string KernelName(Op op, int64_t layout) {
 template <typename S>
 std::string KernelId(Op op, int64_t layout, const std::string& dtype) {
   std::string id = KernelName(op, layout) + "__" + dtype;
-  if (S::kGeneric) return id + "__generic";
-  for (int v : {S::KH, S::KW, S::SH, S::SW, S::BLOCK}) {
-    id += "__" + std::to_string(v);
+  if constexpr (S::kGeneric) {
+    return id + "__generic";
+  } else {
+    for (int v : {S::KH, S::KW, S::SH, S::SW, S::BLOCK}) {
+      id += "__" + std::to_string(v);
+    }
+    return id;
   }
-  return id;
 }
 
 inline std::string KernelIdFor(Op op, const PoolAttrs& a,

@@ -8,6 +8,9 @@
 #include <type_traits>
 
 #include "cpu_kernels.h"
+#if defined(JAX_AVGPOOL_WITH_CUDA)
+#include "cuda_handlers.h"
+#endif
 #include "kernel_spec.h"
 #include "pooling.h"
 
@@ -29,13 +32,25 @@ nb::dict Registrations() {
   cpu["jax_avgpool_backward"] = Capsule(JaxAvgPoolBackwardCpu);
   nb::dict out;
   out["cpu"] = cpu;
+#if defined(JAX_AVGPOOL_WITH_CUDA)
+  nb::dict cuda;
+  cuda["jax_avgpool_forward"] = Capsule(JaxAvgPoolForwardCuda);
+  cuda["jax_avgpool_backward"] = Capsule(JaxAvgPoolBackwardCuda);
+  out["cuda"] = cuda;
+#endif
   return out;
 }
 
 nb::dict BuildInfo() {
   nb::dict info;
   info["cpu"] = true;
+#if defined(JAX_AVGPOOL_WITH_CUDA)
+  info["cuda"] = true;
+  info["cuda_architectures"] = std::string(JAX_AVGPOOL_CUDA_ARCHITECTURES);
+  info["cuda_compiler"] = std::string(JAX_AVGPOOL_CUDA_COMPILER_VERSION);
+#else
   info["cuda"] = false;
+#endif
 #if defined(__clang__)
   info["compiler"] = std::string("clang ") + __clang_version__;
 #elif defined(__GNUC__)

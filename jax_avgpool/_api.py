@@ -158,6 +158,8 @@ def plan(
         backward,
     )
     platform = platform or jax.default_backend()
+    if platform == "gpu":  # JAX's backend name; the GPU kernels are CUDA's
+        platform = "cuda"
     if platform not in _ffi.REGISTERED_PLATFORMS:
         raise ValueError(
             f"platform {platform!r} has no jax_avgpool kernels in this build "

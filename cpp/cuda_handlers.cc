@@ -1,0 +1,113 @@
+// CUDA FFI handlers: XLA's stream, buffers and attributes in, a launcher of
+// cuda_kernels.cu called, its error returned. Handlers never synchronise and
+// are safe to capture in CUDA graphs (XLA command buffers).
+#include "cuda_handlers.h"
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "cuda_kernels.h"
+#include "ffi_common.h"
+#include "pooling.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_avgpool {
+namespace {
+
+namespace ffi = ::xla::ffi;
+
+bool ToDType(ffi::DataType type, cuda::DType* out) {
+  switch (type) {
+    case ffi::DataType::F16:
+      *out = cuda::DType::kF16;
+      return true;
+    case ffi::DataType::BF16:
+      *out = cuda::DType::kBF16;
+      return true;
+    case ffi::DataType::F32:
+      *out = cuda::DType::kF32;
+      return true;
+    case ffi::DataType::F64:
+      *out = cuda::DType::kF64;
+      return true;
+    default:
+      return false;
+  }
+}
+
+ffi::Error FromCuda(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(
+      std::string("jax_avgpool: ") + what +
+      " kernel launch failed: " + cudaGetErrorString(err));
+}
+
+ffi::Error ForwardCuda(cudaStream_t stream,            // stream
+                       ffi::AnyBuffer x,               // x
+                       ffi::Result<ffi::AnyBuffer> y,  // y
+                       ffi::Dictionary geometry_attr) {           // geometry
+  PoolAttrs geometry;
+  if (ffi::Error e = DecodeGeometry(geometry_attr, &geometry); e.failure()) {
+    return e;
+  }
+  PoolShape s;
+  if (ffi::Error e = CheckShapes(geometry, x, *y, &s); e.failure()) return e;
+  cuda::DType dtype;
+  if (!ToDType(x.element_type(), &dtype)) {
+    return UnsupportedType(x.element_type());
+  }
+  return FromCuda(cuda::LaunchForward(stream, dtype, geometry, s,
+                                      x.untyped_data(), y->untyped_data()),
+                  "forward");
+}
+
+ffi::Error BackwardCuda(cudaStream_t stream,             // stream
+                        ffi::AnyBuffer dy,               // dy
+                        ffi::Result<ffi::AnyBuffer> dx,  // dx
+                        ffi::Dictionary geometry_attr,              // geometry
+                        int64_t strategy) {              // strategy
+  if (ffi::Error e = CheckStrategy(strategy); e.failure()) return e;
+  PoolAttrs geometry;
+  if (ffi::Error e = DecodeGeometry(geometry_attr, &geometry); e.failure()) {
+    return e;
+  }
+  PoolShape s;
+  if (ffi::Error e = CheckShapes(geometry, *dx, dy, &s); e.failure()) return e;
+  cuda::DType dtype;
+  if (!ToDType(dy.element_type(), &dtype)) {
+    return UnsupportedType(dy.element_type());
+  }
+  if (strategy == kGather) {
+    return FromCuda(
+        cuda::LaunchBackwardGather(stream, dtype, geometry, s,
+                                   dy.untyped_data(), dx->untyped_data()),
+        "backward gather");
+  }
+  return FromCuda(
+      cuda::LaunchBackwardScatter(stream, dtype, geometry, s, dy.untyped_data(),
+                                  dx->untyped_data()),
+      "backward scatter");
+}
+
+}  // namespace
+}  // namespace jax_avgpool
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxAvgPoolForwardCuda, jax_avgpool::ForwardCuda,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+        .Arg<xla::ffi::AnyBuffer>()                     // x
+        .Ret<xla::ffi::AnyBuffer>()                     // y
+        .Attr<xla::ffi::Dictionary>("geometry"),      // geometry
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxAvgPoolBackwardCuda, jax_avgpool::BackwardCuda,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+        .Arg<xla::ffi::AnyBuffer>()                     // dy
+        .Ret<xla::ffi::AnyBuffer>()                     // dx
+        .Attr<xla::ffi::Dictionary>("geometry")       // geometry
+        .Attr<int64_t>("strategy"),                     // strategy
+    {xla::ffi::Traits::kCmdBufferCompatible});

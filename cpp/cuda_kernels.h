@@ -1,0 +1,33 @@
+// Launchers of the CUDA kernels (cuda_kernels.cu). No XLA or nanobind types
+// here: the FFI handlers (cuda_handlers.cc) decode buffers and attributes and
+// call these on XLA's stream.
+#ifndef JAX_AVGPOOL_CUDA_KERNELS_H_
+#define JAX_AVGPOOL_CUDA_KERNELS_H_
+
+#include <cuda_runtime_api.h>
+
+#include "pooling.h"
+
+namespace jax_avgpool::cuda {
+
+enum class DType { kF16, kBF16, kF32, kF64 };
+
+// y = avgpool(x). Never synchronises; returns the first launch error.
+cudaError_t LaunchForward(cudaStream_t stream, DType dtype, const PoolAttrs& a,
+                          const PoolShape& s, const void* x, void* y);
+
+// dx = transpose of avgpool applied to dy, each dx element summing the dy
+// windows that cover it; dx is written once, no zeroing, no atomics.
+cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
+                                 const PoolAttrs& a, const PoolShape& s,
+                                 const void* dy, void* dx);
+
+// The same gradient by scattering: dx is zeroed on `stream`, then each
+// dy / divisor is added to every element of its window with atomics.
+cudaError_t LaunchBackwardScatter(cudaStream_t stream, DType dtype,
+                                  const PoolAttrs& a, const PoolShape& s,
+                                  const void* dy, void* dx);
+
+}  // namespace jax_avgpool::cuda
+
+#endif  // JAX_AVGPOOL_CUDA_KERNELS_H_
