@@ -536,7 +536,8 @@ def _checks(outputs: dict[str, jax.Array], dtype: str) -> dict[str, float]:
 
         return {name: diff(outs[a], outs[b]) for name, (a, b) in pairs.items()}
 
-    return {name: float(v) for name, v in diffs(outputs).items()}
+    values = diffs(outputs)  # a dict in sorted key order: keep the pairs' order
+    return {name: float(values[name]) for name in pairs}
 
 
 # --------------------------------------------------------------------------
