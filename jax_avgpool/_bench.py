@@ -392,7 +392,7 @@ def _torch_impls(case: Case, x: jax.Array, g: jax.Array) -> list[tuple[str, str,
     backend = jax.default_backend()
     if backend == "cpu":
         device, label = "cpu", "torch"
-    elif backend == "gpu" and torch.cuda.is_available():
+    elif backend in ("gpu", "cuda") and torch.cuda.is_available():
         device, label = "cuda", "torch-cuda"
     else:
         return []
