@@ -1,11 +1,11 @@
-"""Command line: ``python -m jax_avgpool {demo,info}``.
+"""Command line: ``python -m jax_avgpool {bench,demo,info}``.
 
 Every subcommand is one :class:`Subcommand` entry in :data:`SUBCOMMANDS`: a
 help line, a function that adds its options to its parser (argparse only,
 nothing heavy), and a function that runs it. Run functions import their
 module only when called, so parsing the command line and ``info`` stay fast
-whatever the other subcommands need. Adding one (``bench``, say) is adding
-an entry whose run function is ``_lazy("jax_avgpool._bench", "run")``.
+whatever the other subcommands need. Adding one is adding an entry whose
+run function is ``_lazy("jax_avgpool._<module>", "run")``.
 """
 
 from __future__ import annotations
@@ -45,6 +45,46 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    """argparse type: a float >= 0."""
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--case",
+        action="append",
+        metavar="SHAPE:WINDOW[:DTYPE[:LAYOUT]]",
+        help="a case to run instead of the defaults, repeatable: SHAPE in the layout's order, "
+        "WINDOW k<kernel>[s<stride>][p<padding>] (each N or HxW; stride defaults to the "
+        "kernel), DTYPE f16|bf16|f32|f64 (default f32), LAYOUT NCHW|NHWC (default NCHW); "
+        "e.g. 8x16x32x32:k3s2:f32:NCHW or 16x56x56x64:k3s2p1:bf16:NHWC",
+    )
+    parser.add_argument(
+        "--repeat", type=_positive_int, default=7, help="timed repeats (default: 7)"
+    )
+    parser.add_argument(
+        "--min-time",
+        type=_non_negative_float,
+        default=0.05,
+        metavar="SECONDS",
+        help="each repeat lasts at least this long; sizes the calls per repeat (default: 0.05)",
+    )
+    parser.add_argument("--json", metavar="PATH", help="write every number to PATH as JSON")
+    parser.add_argument(
+        "--png", metavar="PATH", help="write a bar chart to PATH (needs matplotlib)"
+    )
+    parser.add_argument(
+        "--no-train", dest="train", action="store_false", help="skip the training-step timing"
+    )
+    parser.add_argument(
+        "--no-torch", dest="torch", action="store_false", help="skip PyTorch even where installed"
+    )
+
+
 def _info_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the build info as JSON")
 
@@ -81,6 +121,11 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {
+    "bench": Subcommand(
+        "time our kernels against XLA's reduce_window, a device copy and PyTorch",
+        _bench_arguments,
+        _lazy("jax_avgpool._bench", "run"),
+    ),
     "demo": Subcommand(
         "train a small CNN on scikit-learn's 8x8 digits with avg_pool2d",
         _demo_arguments,
