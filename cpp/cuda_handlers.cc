@@ -43,10 +43,10 @@ ffi::Error FromCuda(cudaError_t err, const char* what) {
       " kernel launch failed: " + cudaGetErrorString(err));
 }
 
-ffi::Error ForwardCuda(cudaStream_t stream,            // stream
-                       ffi::AnyBuffer x,               // x
-                       ffi::Result<ffi::AnyBuffer> y,  // y
-                       ffi::Dictionary geometry_attr) {           // geometry
+ffi::Error ForwardCuda(cudaStream_t stream,              // stream
+                       ffi::AnyBuffer x,                 // x
+                       ffi::Result<ffi::AnyBuffer> y,    // y
+                       ffi::Dictionary geometry_attr) {  // geometry
   PoolAttrs geometry;
   if (ffi::Error e = DecodeGeometry(geometry_attr, &geometry); e.failure()) {
     return e;
@@ -65,7 +65,8 @@ ffi::Error ForwardCuda(cudaStream_t stream,            // stream
 ffi::Error BackwardCuda(cudaStream_t stream,             // stream
                         ffi::AnyBuffer dy,               // dy
                         ffi::Result<ffi::AnyBuffer> dx,  // dx
-                        ffi::Dictionary geometry_attr,              // geometry
+                        ffi::RemainingRets workspaces,   // [workspace]
+                        ffi::Dictionary geometry_attr,   // geometry
                         int64_t strategy) {              // strategy
   if (ffi::Error e = CheckStrategy(strategy); e.failure()) return e;
   PoolAttrs geometry;
@@ -84,9 +85,22 @@ ffi::Error BackwardCuda(cudaStream_t stream,             // stream
                                    dy.untyped_data(), dx->untyped_data()),
         "backward gather");
   }
+  void* workspace = nullptr;
+  if (cuda::ScatterNeedsWorkspace(dtype)) {
+    // A float32 buffer of dx's shape, the custom call's second result.
+    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ws =
+        workspaces.get<ffi::AnyBuffer>(0);
+    if (ws.has_error() || (*ws)->element_type() != ffi::DataType::F32 ||
+        (*ws)->element_count() != (*dx).element_count()) {
+      return ffi::Error::InvalidArgument(
+          "jax_avgpool: a 16-bit scatter backward needs a second result, a "
+          "float32 workspace of dx's shape");
+    }
+    workspace = (*ws)->untyped_data();
+  }
   return FromCuda(
       cuda::LaunchBackwardScatter(stream, dtype, geometry, s, dy.untyped_data(),
-                                  dx->untyped_data()),
+                                  dx->untyped_data(), workspace),
       "backward scatter");
 }
 
@@ -99,7 +113,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
         .Arg<xla::ffi::AnyBuffer>()                     // x
         .Ret<xla::ffi::AnyBuffer>()                     // y
-        .Attr<xla::ffi::Dictionary>("geometry"),      // geometry
+        .Attr<xla::ffi::Dictionary>("geometry"),        // geometry
     {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -108,6 +122,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
         .Arg<xla::ffi::AnyBuffer>()                     // dy
         .Ret<xla::ffi::AnyBuffer>()                     // dx
-        .Attr<xla::ffi::Dictionary>("geometry")       // geometry
+        .RemainingRets()                                // [workspace]
+        .Attr<xla::ffi::Dictionary>("geometry")         // geometry
         .Attr<int64_t>("strategy"),                     // strategy
     {xla::ffi::Traits::kCmdBufferCompatible});

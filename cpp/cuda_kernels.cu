@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda_kernels.h"
 #include "kernel_spec.h"
@@ -373,15 +374,10 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---------------------------------------------------------------------------
-// Backward, scatter: one thread per BLOCK adjacent outputs of a flat 1-D
-// grid; each dy / divisor is added with atomics to every element of its
-// window. dx must be zero before the launch. 16-bit gradients are added in
-// their own type (the hardware's 16-bit atomics).
-
-template <typename T>
-__device__ __forceinline__ void AtomicAdd(T* address, T value) {
-  atomicAdd(address, value);
-}
+// Backward, scatter: each dy / divisor is added with atomics to every element
+// of its window, in the accumulator type: into dx itself for float32 and
+// float64, into a float32 workspace for 16-bit types, narrowed into dx
+// afterwards. The target must be zero before the launch.
 
 // The outputs of one scatter thread: BLOCK of them, 32 apart, so that the
 // lanes of a warp work on consecutive outputs and their atomics coalesce.
@@ -404,7 +400,7 @@ __device__ __forceinline__ void ForEachWarpInterleaved(int64_t count, Fn fn) {
 template <typename T, typename S>
 __global__ void __launch_bounds__(kThreads)
     ScatterNchw(const PoolAttrs a, const PoolShape s, const T* __restrict__ dy,
-                T* __restrict__ dx, const int64_t total) {
+                typename Num<T>::Acc* __restrict__ dx, const int64_t total) {
   using N = Num<T>;
   using Acc = typename N::Acc;
   const Consts<S> k(a);
@@ -415,11 +411,11 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t p = at.outer, oh = at.mid, ow = at.inner;
     const Window wh = WindowAt(oh, H, k.kh, k.sh, a.pad_top, a.pad_bottom);
     const Window ww = WindowAt(ow, W, k.kw, k.sw, a.pad_left, a.pad_right);
-    const T g = N::Store(N::Load(dy[o]) / static_cast<Acc>(Divisor(a, wh, ww)));
-    T* plane = dx + p * H * W;
+    const Acc g = N::Load(dy[o]) / static_cast<Acc>(Divisor(a, wh, ww));
+    Acc* plane = dx + p * H * W;
     for (int64_t h = wh.start; h < wh.end; ++h)
       for (int64_t w = ww.start; w < ww.end; ++w)
-        AtomicAdd(plane + h * W + w, g);
+        atomicAdd(plane + h * W + w, g);
   });
 }
 
@@ -427,7 +423,7 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T, typename S>
 __global__ void __launch_bounds__(kThreads)
     ScatterNhwc(const PoolAttrs a, const PoolShape s, const T* __restrict__ dy,
-                T* __restrict__ dx, const int64_t total) {
+                typename Num<T>::Acc* __restrict__ dx, const int64_t total) {
   using N = Num<T>;
   using Acc = typename N::Acc;
   const Consts<S> k(a);
@@ -440,12 +436,22 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t n = n_oh.quot, oh = n_oh.rem, ow = at.mid, c = at.inner;
     const Window wh = WindowAt(oh, H, k.kh, k.sh, a.pad_top, a.pad_bottom);
     const Window ww = WindowAt(ow, W, k.kw, k.sw, a.pad_left, a.pad_right);
-    const T g = N::Store(N::Load(dy[o]) / static_cast<Acc>(Divisor(a, wh, ww)));
-    T* image = dx + n * H * W * C + c;
+    const Acc g = N::Load(dy[o]) / static_cast<Acc>(Divisor(a, wh, ww));
+    Acc* image = dx + n * H * W * C + c;
     for (int64_t h = wh.start; h < wh.end; ++h)
       for (int64_t w = ww.start; w < ww.end; ++w)
-        AtomicAdd(image + (h * W + w) * C, g);
+        atomicAdd(image + (h * W + w) * C, g);
   });
+}
+
+// Narrows the float32 workspace of a 16-bit scatter into dx.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    Narrow(const float* __restrict__ acc, T* __restrict__ dx,
+           const int64_t total) {
+  for (int64_t i = FirstThread(); i < total; i += ThreadCount()) {
+    dx[i] = Num<T>::Store(acc[i]);
+  }
 }
 
 // ---------------------------------------------------------------------------
@@ -661,19 +667,22 @@ cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
 
 cudaError_t LaunchBackwardScatter(cudaStream_t stream, DType dtype,
                                   const PoolAttrs& a, const PoolShape& s,
-                                  const void* dy, void* dx) {
+                                  const void* dy, void* dx, void* workspace) {
   return WithType(dtype, [&](auto tag) {
     using T = decltype(tag);
+    using Acc = typename Num<T>::Acc;
+    constexpr bool kNarrow = !std::is_same_v<T, Acc>;
     const int64_t elements = s.batch * s.channels * s.in_h * s.in_w;
     if (elements == 0) return cudaSuccess;
+    if (kNarrow && workspace == nullptr) return cudaErrorInvalidValue;
+    Acc* target = static_cast<Acc*>(kNarrow ? workspace : dx);
     if (cudaError_t e = cudaMemsetAsync(
-            dx, 0, static_cast<size_t>(elements) * sizeof(T), stream);
+            target, 0, static_cast<size_t>(elements) * sizeof(Acc), stream);
         e != cudaSuccess) {
       return e;
     }
     const T* in = static_cast<const T*>(dy);
-    T* out = static_cast<T*>(dx);
-    return WithSpec(a, [&](auto spec) {
+    const cudaError_t scattered = WithSpec(a, [&](auto spec) {
       using S = decltype(spec);
       // One thread per BLOCK outputs; the kernels take the output count.
       const int64_t outputs = s.batch * s.channels * s.out_h * s.out_w;
@@ -682,9 +691,12 @@ cudaError_t LaunchBackwardScatter(cudaStream_t stream, DType dtype,
           a.layout == kNCHW ? ScatterNchw<T, S> : ScatterNhwc<T, S>;
       const int64_t blocks = Groups(Groups(outputs, S::BLOCK), kThreads);
       kernel<<<static_cast<unsigned>(std::min<int64_t>(blocks, INT32_MAX)),
-               kThreads, 0, stream>>>(a, s, in, out, outputs);
+               kThreads, 0, stream>>>(a, s, in, target, outputs);
       return cudaGetLastError();
     });
+    if (scattered != cudaSuccess || !kNarrow) return scattered;
+    return Launch(Narrow<T>, stream, elements,
+                  static_cast<const float*>(workspace), static_cast<T*>(dx));
   });
 }
 

@@ -22,11 +22,19 @@ cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
                                  const PoolAttrs& a, const PoolShape& s,
                                  const void* dy, void* dx);
 
-// The same gradient by scattering: dx is zeroed on `stream`, then each
-// dy / divisor is added to every element of its window with atomics.
+// The same gradient by scattering: the target is zeroed on `stream`, then
+// each dy / divisor is added to every element of its window with atomics.
+// The target is dx for float32 and float64; for 16-bit types it is
+// `workspace`, a float32 buffer of dx's shape, narrowed into dx afterwards
+// (nullptr is an error there).
 cudaError_t LaunchBackwardScatter(cudaStream_t stream, DType dtype,
                                   const PoolAttrs& a, const PoolShape& s,
-                                  const void* dy, void* dx);
+                                  const void* dy, void* dx, void* workspace);
+
+// Whether the scatter of `dtype` needs the float32 workspace.
+inline bool ScatterNeedsWorkspace(DType dtype) {
+  return dtype == DType::kF16 || dtype == DType::kBF16;
+}
 
 }  // namespace jax_avgpool::cuda
 

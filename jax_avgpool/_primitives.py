@@ -18,6 +18,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -60,14 +61,29 @@ def _pool_transpose_abstract_eval(dy, *, geometry: Geometry):
     return dy.update(shape=geometry.with_spatial(dy.shape, geometry.in_hw))
 
 
-def _pool_lowering(ctx, x, *, geometry: Geometry):
-    return jax.ffi.ffi_lowering(_ffi.FORWARD_TARGET)(ctx, x, geometry=geometry.attributes())
+def _pool_lowering(platform: str):
+    def lowering(ctx, x, *, geometry: Geometry):
+        return jax.ffi.ffi_lowering(_ffi.FORWARD_TARGET)(ctx, x, geometry=geometry.attributes())
+
+    return lowering
 
 
-def _pool_transpose_lowering(ctx, dy, *, geometry: Geometry):
-    return jax.ffi.ffi_lowering(_ffi.BACKWARD_TARGET)(
-        ctx, dy, geometry=geometry.attributes(), strategy=geometry.strategy_attribute()
-    )
+_SIXTEEN_BIT = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+
+
+def _pool_transpose_lowering(platform: str):
+    def lowering(ctx, dy, *, geometry: Geometry):
+        attrs = dict(geometry=geometry.attributes(), strategy=geometry.strategy_attribute())
+        (dx,) = ctx.avals_out
+        if platform == "cuda" and geometry.backward == "scatter" and dx.dtype in _SIXTEEN_BIT:
+            # The CUDA scatter accumulates 16-bit gradients with float32
+            # atomics: XLA provides the float32 workspace as a second result.
+            workspace = dx.update(dtype=np.dtype(np.float32), weak_type=False)
+            ctx = ctx.replace(avals_out=[dx, workspace])
+            return jax.ffi.ffi_lowering(_ffi.BACKWARD_TARGET)(ctx, dy, **attrs)[:1]
+        return jax.ffi.ffi_lowering(_ffi.BACKWARD_TARGET)(ctx, dy, **attrs)
+
+    return lowering
 
 
 def _pool_transpose_rule(ct, x, *, geometry: Geometry):
@@ -117,7 +133,7 @@ for _prim, _abstract, _lowering, _transpose in (
     _prim.def_abstract_eval(_abstract)
     for _platform in ("cpu", "cuda", "rocm"):
         if _platform in _ffi.REGISTERED_PLATFORMS:
-            mlir.register_lowering(_prim, _lowering, platform=_platform)
+            mlir.register_lowering(_prim, _lowering(_platform), platform=_platform)
         else:
             mlir.register_lowering(_prim, _unavailable_lowering(_platform), platform=_platform)
     ad.deflinear2(_prim, _transpose)

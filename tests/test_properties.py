@@ -93,9 +93,15 @@ DETERMINISM_PARAMS = [
 def test_gradients_are_deterministic(
     case: TorchCase, dtype: np.dtype, rng: np.random.Generator
 ) -> None:
-    """Gradients are bitwise identical across runs (both strategies); the strategies agree."""
+    """Gradients are bitwise identical across runs; the strategies agree.
+
+    The gather backward is deterministic everywhere. The scatter backward is
+    too on the CPU (one thread adds in a fixed order), where it equals the
+    gather bitwise; on a GPU its atomics add in no fixed order.
+    """
     x = random_array(rng, case.shape, dtype)
     g = jnp.asarray(random_array(rng, case.out_shape, dtype))
+    on_cpu = jax.default_backend() == "cpu"
     grads = {}
     with dtype_mode(dtype):
         for backward in ("gather", "scatter"):
@@ -105,10 +111,11 @@ def test_gradients_are_deterministic(
                 return jnp.sum(f(v).astype(jnp.float32) * g.astype(jnp.float32))
 
             runs = [jax.grad(loss)(x)] + [jax.jit(jax.grad(loss))(x) for _ in range(3)]
-            for other in runs[1:]:
-                np.testing.assert_array_equal(np.asarray(runs[0]), np.asarray(other))
+            if backward == "gather" or on_cpu:
+                for other in runs[1:]:
+                    np.testing.assert_array_equal(np.asarray(runs[0]), np.asarray(other))
             grads[backward] = np.asarray(runs[0])
-    if dtype in (F32, F64):
+    if dtype in (F32, F64) and on_cpu:
         # On the CPU the two strategies add the same terms in the same order.
         np.testing.assert_array_equal(grads["gather"], grads["scatter"])
     assert_close(grads["gather"], grads["scatter"], dtype)
