@@ -134,7 +134,7 @@ def test_png_without_matplotlib(tmp_path, monkeypatch, capsys) -> None:
 
 
 def test_no_kernels_for_platform(monkeypatch, capsys) -> None:
-    monkeypatch.setattr(bench, "kernel_platform", lambda: "cuda")
+    monkeypatch.setattr(bench, "kernel_platform", lambda: "rocm")  # never built
     args = argparse.Namespace(case=None, repeat=1, min_time=0.0, train=False, torch=False)
     args.json = args.png = None
     assert bench.run(args) == 2
