@@ -22,7 +22,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import _ffi
+from . import _ffi, _sharding
 from ._geometry import Geometry
 
 pool_p = Primitive("jax_avgpool_pool")
@@ -53,17 +53,24 @@ def _check_operand(x, geometry: Geometry, expected_hw, role: str) -> None:
 
 def _pool_abstract_eval(x, *, geometry: Geometry):
     _check_operand(x, geometry, geometry.in_hw, "x")
-    return x.update(shape=geometry.with_spatial(x.shape, geometry.out_hw))
+    shape = geometry.with_spatial(x.shape, geometry.out_hw)
+    _sharding.check_spatial_sharding(x, shape, geometry)
+    return x.update(shape=shape)
 
 
 def _pool_transpose_abstract_eval(dy, *, geometry: Geometry):
     _check_operand(dy, geometry, geometry.out_hw, "dy")
-    return dy.update(shape=geometry.with_spatial(dy.shape, geometry.in_hw))
+    shape = geometry.with_spatial(dy.shape, geometry.in_hw)
+    _sharding.check_spatial_sharding(dy, shape, geometry)
+    return dy.update(shape=shape)
 
 
 def _pool_lowering(platform: str):
     def lowering(ctx, x, *, geometry: Geometry):
-        return jax.ffi.ffi_lowering(_ffi.FORWARD_TARGET)(ctx, x, geometry=geometry.attributes())
+        extra = _sharding.call_attributes(ctx, geometry, ctx.avals_out)
+        return jax.ffi.ffi_lowering(_ffi.FORWARD_TARGET, extra_attributes=extra)(
+            ctx, x, geometry=geometry.attributes()
+        )
 
     return lowering
 
@@ -80,8 +87,11 @@ def _pool_transpose_lowering(platform: str):
             # atomics: XLA provides the float32 workspace as a second result.
             workspace = dx.update(dtype=np.dtype(np.float32), weak_type=False)
             ctx = ctx.replace(avals_out=[dx, workspace])
-            return jax.ffi.ffi_lowering(_ffi.BACKWARD_TARGET)(ctx, dy, **attrs)[:1]
-        return jax.ffi.ffi_lowering(_ffi.BACKWARD_TARGET)(ctx, dy, **attrs)
+            extra = _sharding.call_attributes(ctx, geometry, ctx.avals_out)
+            lower = jax.ffi.ffi_lowering(_ffi.BACKWARD_TARGET, extra_attributes=extra)
+            return lower(ctx, dy, **attrs)[:1]
+        extra = _sharding.call_attributes(ctx, geometry, ctx.avals_out)
+        return jax.ffi.ffi_lowering(_ffi.BACKWARD_TARGET, extra_attributes=extra)(ctx, dy, **attrs)
 
     return lowering
 
@@ -119,6 +129,8 @@ def _batcher(prim: Primitive):
 
     return rule
 
+
+_sharding.register((_ffi.FORWARD_TARGET, _ffi.BACKWARD_TARGET))
 
 for _prim, _abstract, _lowering, _transpose in (
     (pool_p, _pool_abstract_eval, _pool_lowering, _pool_transpose_rule),
