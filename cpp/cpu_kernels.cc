@@ -10,9 +10,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
+#include "cpu_parallel.h"
 #include "ffi_common.h"
+#include "kernel_spec.h"
 #include "pooling.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -105,13 +108,12 @@ struct Num<BFloat16> {
 };
 
 // ---------------------------------------------------------------------------
-// Geometry tables computed once per call.
+// Per-call geometry, computed once and shared by all threads.
 
 struct Tables {
   std::vector<Window> rows;      // per output row
   std::vector<Window> cols;      // per output column
   std::vector<Cover> row_cover;  // per input row: covering output rows
-  std::vector<Cover> col_cover;  // per input column
 };
 
 Tables MakeTables(const PoolAttrs& a, const PoolShape& s) {
@@ -119,7 +121,6 @@ Tables MakeTables(const PoolAttrs& a, const PoolShape& s) {
   t.rows.resize(s.out_h);
   t.cols.resize(s.out_w);
   t.row_cover.resize(s.in_h);
-  t.col_cover.resize(s.in_w);
   for (int64_t o = 0; o < s.out_h; ++o)
     t.rows[o] =
         WindowAt(o, s.in_h, a.kernel_h, a.stride_h, a.pad_top, a.pad_bottom);
@@ -128,8 +129,6 @@ Tables MakeTables(const PoolAttrs& a, const PoolShape& s) {
         WindowAt(o, s.in_w, a.kernel_w, a.stride_w, a.pad_left, a.pad_right);
   for (int64_t i = 0; i < s.in_h; ++i)
     t.row_cover[i] = CoverOf(i, s.out_h, a.kernel_h, a.stride_h, a.pad_top);
-  for (int64_t i = 0; i < s.in_w; ++i)
-    t.col_cover[i] = CoverOf(i, s.out_w, a.kernel_w, a.stride_w, a.pad_left);
   return t;
 }
 
@@ -145,52 +144,106 @@ std::vector<Acc> Divisors(const PoolAttrs& a, const PoolShape& s,
   return d;
 }
 
+// Window and strides: compile-time constants in a specialised kernel (so
+// that the tap loops unroll), the attributes in the generic one.
+struct Taps {
+  int64_t kh, kw, sh, sw;
+};
+
+template <typename S>
+Taps TapsOf(const PoolAttrs& a) {
+  if constexpr (S::kGeneric) {
+    return {a.kernel_h, a.kernel_w, a.stride_h, a.stride_w};
+  } else {
+    return {S::KH, S::KW, S::SH, S::SW};
+  }
+}
+
+// What the kernels of one call share. An "image" is what one pooled row
+// lives in: a (H, W) plane for NCHW, an (H, W, C) image for NHWC, whose
+// rows are then W pixels of C contiguous "lanes".
+template <typename Acc>
+struct Call {
+  const PoolAttrs& a;
+  PoolShape s;
+  Tables t;
+  std::vector<Acc> div;
+  int64_t images;
+  int64_t lanes;
+
+  Call(const PoolAttrs& attrs, const PoolShape& shape)
+      : a(attrs),
+        s(shape),
+        t(MakeTables(attrs, shape)),
+        div(Divisors<Acc>(attrs, shape, t)),
+        images(attrs.layout == kNHWC ? shape.batch
+                                     : shape.batch * shape.channels),
+        lanes(attrs.layout == kNHWC ? shape.channels : 1) {}
+
+  // Columns of a zero-padded input row that holds every window along W:
+  // real column w sits at w + pad_left.
+  int64_t PaddedWidth() const {
+    return std::max((s.out_w - 1) * a.stride_w + a.kernel_w,
+                    a.pad_left + s.in_w);
+  }
+};
+
+// The hot loops are compiled for several x86-64 levels and the best one the
+// host supports is picked at load time, so the wheel runs on any x86-64 yet
+// uses AVX2 or AVX-512 where present. Elsewhere the compiler's baseline.
+#if defined(__x86_64__) && defined(__ELF__) && \
+    (defined(__GNUC__) || defined(__clang__))
+#define JAX_AVGPOOL_CPU_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define JAX_AVGPOOL_CPU_CLONES
+#endif
+
 // ---------------------------------------------------------------------------
 // Forward: y[oh, ow] = sum of x over the window / divisor.
+//
+// Per output row: sum the window's input rows into a zero-padded row of
+// column sums (vectorised along W, or along C for NHWC), then sum KW
+// adjacent column sums per output. Overlapping windows share the column
+// sums instead of re-reading the input.
 
-template <typename T>
-void Forward(const PoolAttrs& a, const PoolShape& s, const T* x, T* y) {
+template <typename S, bool kNhwc, typename T>
+JAX_AVGPOOL_CPU_CLONES void ForwardRows(const Call<typename Num<T>::Acc>& c,
+                                        const T* __restrict x, T* __restrict y,
+                                        int64_t begin, int64_t end) {
   using N = Num<T>;
   using Acc = typename N::Acc;
-  const Tables t = MakeTables(a, s);
-  const std::vector<Acc> div = Divisors<Acc>(a, s, t);
-  const int64_t H = s.in_h, W = s.in_w, OH = s.out_h, OW = s.out_w;
-  const int64_t C = s.channels;
-  if (a.layout == kNCHW) {
-    for (int64_t p = 0; p < s.batch * C; ++p) {
-      const T* xp = x + p * H * W;
-      T* yp = y + p * OH * OW;
-      for (int64_t oh = 0; oh < OH; ++oh) {
-        const Window& wh = t.rows[oh];
-        for (int64_t ow = 0; ow < OW; ++ow) {
-          const Window& ww = t.cols[ow];
-          Acc sum = 0;
-          for (int64_t h = wh.start; h < wh.end; ++h)
-            for (int64_t w = ww.start; w < ww.end; ++w)
-              sum += N::Load(xp[h * W + w]);
-          yp[oh * OW + ow] = N::Store(sum / div[oh * OW + ow]);
-        }
+  const Taps k = TapsOf<S>(c.a);
+  const int64_t W = c.s.in_w, OH = c.s.out_h, OW = c.s.out_w;
+  const int64_t L = kNhwc ? c.lanes : 1;
+  const int64_t row = W * L;
+  std::vector<Acc> padded(static_cast<size_t>(c.PaddedWidth() * L), Acc(0));
+  Acc* __restrict col = padded.data();
+  Acc* __restrict real = col + c.a.pad_left * L;  // the padding stays 0
+  for (int64_t r = begin; r < end; ++r) {
+    const int64_t image = r / OH, oh = r % OH;
+    const Window& wh = c.t.rows[oh];
+    const T* xr = x + (image * c.s.in_h + wh.start) * row;
+    const int64_t rows = wh.end - wh.start;
+    if (!S::kGeneric && rows == k.kh) {
+      for (int64_t i = 0; i < row; ++i) {
+        Acc sum = 0;
+        for (int64_t h = 0; h < k.kh; ++h) sum += N::Load(xr[h * row + i]);
+        real[i] = sum;
       }
+    } else {
+      for (int64_t i = 0; i < row; ++i) real[i] = 0;
+      for (int64_t h = 0; h < rows; ++h)
+        for (int64_t i = 0; i < row; ++i) real[i] += N::Load(xr[h * row + i]);
     }
-    return;
-  }
-  std::vector<Acc> acc(static_cast<size_t>(C));
-  for (int64_t n = 0; n < s.batch; ++n) {
-    const T* xn = x + n * H * W * C;
-    T* yn = y + n * OH * OW * C;
-    for (int64_t oh = 0; oh < OH; ++oh) {
-      const Window& wh = t.rows[oh];
-      for (int64_t ow = 0; ow < OW; ++ow) {
-        const Window& ww = t.cols[ow];
-        std::fill(acc.begin(), acc.end(), Acc(0));
-        for (int64_t h = wh.start; h < wh.end; ++h)
-          for (int64_t w = ww.start; w < ww.end; ++w) {
-            const T* xc = xn + (h * W + w) * C;
-            for (int64_t c = 0; c < C; ++c) acc[c] += N::Load(xc[c]);
-          }
-        const Acc d = div[oh * OW + ow];
-        T* yc = yn + (oh * OW + ow) * C;
-        for (int64_t c = 0; c < C; ++c) yc[c] = N::Store(acc[c] / d);
+    const Acc* d = c.div.data() + oh * OW;
+    T* yr = y + (image * OH + oh) * OW * L;
+    for (int64_t ow = 0; ow < OW; ++ow) {
+      const Acc* win = col + ow * k.sw * L;
+      for (int64_t l = 0; l < L; ++l) {
+        Acc sum = 0;
+        for (int64_t j = 0; j < k.kw; ++j) sum += win[j * L + l];
+        yr[ow * L + l] = N::Store(sum / d[ow]);
       }
     }
   }
@@ -199,100 +252,115 @@ void Forward(const PoolAttrs& a, const PoolShape& s, const T* x, T* y) {
 // ---------------------------------------------------------------------------
 // Backward, gather: dx[h, w] = sum over the windows (oh, ow) that cover
 // (h, w) of dy[oh, ow] / divisor, in ascending (oh, ow) order. Each dx
-// element is written once.
+// element is written once, by one thread.
+//
+// Per dx row, for each covering dy row in turn: divide it by its divisors
+// into a row q with zero columns on both sides, then add to every position
+// its covering taps in ascending ow. In zero-padded coordinates
+// p = w + pad_left = i * SW + r, the covering outputs are ow = i - m_r ... i
+// with m_r = floor((KW - 1 - r) / SW): the same taps for every i of a phase
+// r, so the loop over i (or over C for NHWC) vectorises. Taps that fall
+// outside [0, OW) read the zero columns; adding +0 to a sum that started at
+// +0 changes no bit, so the order and the result are those of the plain
+// loop (and of the scatter kernel).
 
-template <typename T>
-void BackwardGather(const PoolAttrs& a, const PoolShape& s, const T* dy,
-                    T* dx) {
+template <typename S, bool kNhwc, typename T>
+JAX_AVGPOOL_CPU_CLONES void GatherRows(const Call<typename Num<T>::Acc>& c,
+                                       const T* __restrict dy, T* __restrict dx,
+                                       int64_t begin, int64_t end) {
   using N = Num<T>;
   using Acc = typename N::Acc;
-  const Tables t = MakeTables(a, s);
-  const std::vector<Acc> div = Divisors<Acc>(a, s, t);
-  const int64_t H = s.in_h, W = s.in_w, OH = s.out_h, OW = s.out_w;
-  const int64_t C = s.channels;
-  if (a.layout == kNCHW) {
-    for (int64_t p = 0; p < s.batch * C; ++p) {
-      const T* gp = dy + p * OH * OW;
-      T* dp = dx + p * H * W;
-      for (int64_t h = 0; h < H; ++h) {
-        const Cover& ch = t.row_cover[h];
-        for (int64_t w = 0; w < W; ++w) {
-          const Cover& cw = t.col_cover[w];
-          Acc sum = 0;
-          for (int64_t oh = ch.first; oh <= ch.last; ++oh)
-            for (int64_t ow = cw.first; ow <= cw.last; ++ow)
-              sum += N::Load(gp[oh * OW + ow]) / div[oh * OW + ow];
-          dp[h * W + w] = N::Store(sum);
+  const Taps k = TapsOf<S>(c.a);
+  const int64_t H = c.s.in_h, W = c.s.in_w, OH = c.s.out_h, OW = c.s.out_w;
+  const int64_t L = kNhwc ? c.lanes : 1;
+  const int64_t pl = c.a.pad_left;
+  const int64_t groups = (pl + W - 1) / k.sw + 1;  // i ranges over them
+  const int64_t lead = (k.kw - 1) / k.sw;          // the largest m_r
+  std::vector<Acc> qbuf(static_cast<size_t>((std::max(OW, groups) + lead) * L),
+                        Acc(0));
+  Acc* __restrict q = qbuf.data() + lead * L;
+  std::vector<Acc> abuf(static_cast<size_t>(groups * k.sw * L));
+  Acc* __restrict acc = abuf.data();
+  for (int64_t r = begin; r < end; ++r) {
+    const int64_t image = r / H, h = r % H;
+    const Cover& cover = c.t.row_cover[h];
+    for (int64_t i = 0; i < groups * k.sw * L; ++i) acc[i] = 0;
+    for (int64_t oh = cover.first; oh <= cover.last; ++oh) {
+      const T* g = dy + (image * OH + oh) * OW * L;
+      const Acc* d = c.div.data() + oh * OW;
+      for (int64_t ow = 0; ow < OW; ++ow)
+        for (int64_t l = 0; l < L; ++l)
+          q[ow * L + l] = N::Load(g[ow * L + l]) / d[ow];
+      for (int64_t i = 0; i < groups; ++i) {
+        for (int64_t phase = 0; phase < k.sw && phase < k.kw; ++phase) {
+          const int64_t m = (k.kw - 1 - phase) / k.sw;
+          Acc* a = acc + (i * k.sw + phase) * L;
+          const Acc* taps = q + (i - m) * L;
+          for (int64_t j = 0; j <= m; ++j)
+            for (int64_t l = 0; l < L; ++l) a[l] += taps[j * L + l];
         }
       }
     }
-    return;
-  }
-  std::vector<Acc> acc(static_cast<size_t>(C));
-  for (int64_t n = 0; n < s.batch; ++n) {
-    const T* gn = dy + n * OH * OW * C;
-    T* dn = dx + n * H * W * C;
-    for (int64_t h = 0; h < H; ++h) {
-      const Cover& ch = t.row_cover[h];
-      for (int64_t w = 0; w < W; ++w) {
-        const Cover& cw = t.col_cover[w];
-        std::fill(acc.begin(), acc.end(), Acc(0));
-        for (int64_t oh = ch.first; oh <= ch.last; ++oh)
-          for (int64_t ow = cw.first; ow <= cw.last; ++ow) {
-            const T* gc = gn + (oh * OW + ow) * C;
-            const Acc d = div[oh * OW + ow];
-            for (int64_t c = 0; c < C; ++c) acc[c] += N::Load(gc[c]) / d;
-          }
-        T* dc = dn + (h * W + w) * C;
-        for (int64_t c = 0; c < C; ++c) dc[c] = N::Store(acc[c]);
-      }
-    }
+    const Acc* real = acc + pl * L;
+    T* out = dx + (image * H + h) * W * L;
+    for (int64_t i = 0; i < W * L; ++i) out[i] = N::Store(real[i]);
   }
 }
 
 // ---------------------------------------------------------------------------
 // Backward, scatter: zero an accumulator image, spread each dy[oh, ow] /
-// divisor uniformly over its window, then narrow into dx.
+// divisor uniformly over its window in ascending (oh, ow) order, then
+// narrow into dx. Images are independent, so threads take whole images.
+// The accumulator rows are zero-padded like the forward's column sums, so
+// that a window needs no clipping along W.
 
-template <typename T>
-void BackwardScatter(const PoolAttrs& a, const PoolShape& s, const T* dy,
-                     T* dx) {
+template <typename S, bool kNhwc, typename T>
+JAX_AVGPOOL_CPU_CLONES void ScatterImages(const Call<typename Num<T>::Acc>& c,
+                                          const T* __restrict dy,
+                                          T* __restrict dx, int64_t begin,
+                                          int64_t end) {
   using N = Num<T>;
   using Acc = typename N::Acc;
-  const Tables t = MakeTables(a, s);
-  const std::vector<Acc> div = Divisors<Acc>(a, s, t);
-  const int64_t H = s.in_h, W = s.in_w, OH = s.out_h, OW = s.out_w;
-  const int64_t C = s.channels;
-  const bool nchw = a.layout == kNCHW;
-  // One accumulator image: a (H, W) plane for NCHW, an (H, W, C) image for
-  // NHWC.
-  const int64_t image = nchw ? H * W : H * W * C;
-  const int64_t images = nchw ? s.batch * C : s.batch;
-  const int64_t lanes = nchw ? 1 : C;
-  std::vector<Acc> acc(static_cast<size_t>(image));
-  for (int64_t p = 0; p < images; ++p) {
-    const T* gp = dy + p * OH * OW * lanes;
-    std::fill(acc.begin(), acc.end(), Acc(0));
+  const Taps k = TapsOf<S>(c.a);
+  const int64_t H = c.s.in_h, W = c.s.in_w, OH = c.s.out_h, OW = c.s.out_w;
+  const int64_t L = kNhwc ? c.lanes : 1;
+  const int64_t wp = c.PaddedWidth();
+  std::vector<Acc> abuf(static_cast<size_t>(H * wp * L));
+  Acc* __restrict acc = abuf.data();
+  std::vector<Acc> qbuf(static_cast<size_t>(OW * L));
+  Acc* __restrict q = qbuf.data();
+  for (int64_t image = begin; image < end; ++image) {
+    for (int64_t i = 0; i < H * wp * L; ++i) acc[i] = 0;
     for (int64_t oh = 0; oh < OH; ++oh) {
-      const Window& wh = t.rows[oh];
-      for (int64_t ow = 0; ow < OW; ++ow) {
-        const Window& ww = t.cols[ow];
-        const Acc d = div[oh * OW + ow];
-        const T* gc = gp + (oh * OW + ow) * lanes;
-        for (int64_t h = wh.start; h < wh.end; ++h)
-          for (int64_t w = ww.start; w < ww.end; ++w) {
-            Acc* ac = acc.data() + (h * W + w) * lanes;
-            for (int64_t c = 0; c < lanes; ++c) ac[c] += N::Load(gc[c]) / d;
-          }
+      const T* g = dy + (image * OH + oh) * OW * L;
+      const Acc* d = c.div.data() + oh * OW;
+      for (int64_t ow = 0; ow < OW; ++ow)
+        for (int64_t l = 0; l < L; ++l)
+          q[ow * L + l] = N::Load(g[ow * L + l]) / d[ow];
+      const Window& wh = c.t.rows[oh];
+      for (int64_t h = wh.start; h < wh.end; ++h) {
+        Acc* ar = acc + h * wp * L;
+        for (int64_t ow = 0; ow < OW; ++ow) {
+          Acc* a = ar + ow * k.sw * L;
+          const Acc* qc = q + ow * L;
+          for (int64_t j = 0; j < k.kw; ++j)
+            for (int64_t l = 0; l < L; ++l) a[j * L + l] += qc[l];
+        }
       }
     }
-    T* dp = dx + p * image;
-    for (int64_t i = 0; i < image; ++i) dp[i] = N::Store(acc[i]);
+    T* out = dx + image * H * W * L;
+    for (int64_t h = 0; h < H; ++h) {
+      const Acc* real = acc + (h * wp + c.a.pad_left) * L;
+      for (int64_t i = 0; i < W * L; ++i)
+        out[h * W * L + i] = N::Store(real[i]);
+    }
   }
 }
 
 // ---------------------------------------------------------------------------
-// Dispatch on the runtime element type.
+// Dispatch: the runtime element type, the kernel specialisation (the same
+// choice, and so the same kernel ids, as jax_avgpool.plan() reports) and
+// the layout select one instantiation; ParallelFor splits its work.
 
 template <typename Fn>
 ffi::Error DispatchFloat(ffi::DataType type, Fn&& fn) {
@@ -314,19 +382,44 @@ ffi::Error DispatchFloat(ffi::DataType type, Fn&& fn) {
   }
 }
 
-ffi::Error ForwardImpl(ffi::AnyBuffer x,               // x
+// Calls fn(spec, layout tag) with the kernel's compile-time choices.
+template <typename Fn>
+void WithKernel(const PoolAttrs& a, Fn&& fn) {
+  WithSpec(a, [&](auto spec) {
+    if (a.layout == kNHWC) {
+      fn(spec, std::true_type{});
+    } else {
+      fn(spec, std::false_type{});
+    }
+  });
+}
+
+ffi::Error ForwardImpl(ffi::ThreadPool pool,           // thread pool
+                       ffi::AnyBuffer x,               // x
                        ffi::Result<ffi::AnyBuffer> y,  // y
                        PoolAttrs geometry) {           // geometry
   PoolShape s;
   if (ffi::Error e = CheckShapes(geometry, x, *y, &s); e.failure()) return e;
   return DispatchFloat(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
-    Forward<T>(geometry, s, static_cast<const T*>(x.untyped_data()),
-               static_cast<T*>(y->untyped_data()));
+    const T* in = static_cast<const T*>(x.untyped_data());
+    T* out = static_cast<T*>(y->untyped_data());
+    const Call<typename Num<T>::Acc> c(geometry, s);
+    WithKernel(geometry, [&](auto spec, auto nhwc) {
+      using S = decltype(spec);
+      // One unit is one output row: its window rows, then its columns.
+      const int64_t work =
+          (geometry.kernel_h * s.in_w + geometry.kernel_w * s.out_w) * c.lanes;
+      ParallelFor(&pool, c.images * s.out_h, work,
+                  [&](int64_t begin, int64_t end) {
+                    ForwardRows<S, nhwc.value>(c, in, out, begin, end);
+                  });
+    });
   });
 }
 
-ffi::Error BackwardImpl(ffi::AnyBuffer dy,               // dy
+ffi::Error BackwardImpl(ffi::ThreadPool pool,            // thread pool
+                        ffi::AnyBuffer dy,               // dy
                         ffi::Result<ffi::AnyBuffer> dx,  // dx
                         PoolAttrs geometry,              // geometry
                         int64_t strategy) {              // strategy
@@ -337,11 +430,31 @@ ffi::Error BackwardImpl(ffi::AnyBuffer dy,               // dy
     using T = decltype(tag);
     const T* g = static_cast<const T*>(dy.untyped_data());
     T* d = static_cast<T*>(dx->untyped_data());
-    if (strategy == kGather) {
-      BackwardGather<T>(geometry, s, g, d);
-    } else {
-      BackwardScatter<T>(geometry, s, g, d);
-    }
+    const Call<typename Num<T>::Acc> c(geometry, s);
+    WithKernel(geometry, [&](auto spec, auto nhwc) {
+      using S = decltype(spec);
+      if (strategy == kGather) {
+        // One unit is one dx row: each covering dy row, then the row.
+        const int64_t covering =
+            (geometry.kernel_h + geometry.stride_h - 1) / geometry.stride_h;
+        const int64_t work =
+            (covering * (s.out_w + geometry.kernel_w * s.in_w) + s.in_w) *
+            c.lanes;
+        ParallelFor(&pool, c.images * s.in_h, work,
+                    [&](int64_t begin, int64_t end) {
+                      GatherRows<S, nhwc.value>(c, g, d, begin, end);
+                    });
+      } else {
+        // One unit is one whole image: its accumulator is private.
+        const int64_t work =
+            (s.out_h * s.out_w * geometry.kernel_h * geometry.kernel_w +
+             s.in_h * s.in_w) *
+            c.lanes;
+        ParallelFor(&pool, c.images, work, [&](int64_t begin, int64_t end) {
+          ScatterImages<S, nhwc.value>(c, g, d, begin, end);
+        });
+      }
+    });
   });
 }
 
@@ -351,6 +464,7 @@ ffi::Error BackwardImpl(ffi::AnyBuffer dy,               // dy
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxAvgPoolForwardCpu, jax_avgpool::ForwardImpl,
     xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::ThreadPool>()                 // thread pool
         .Arg<xla::ffi::AnyBuffer>()                  // x
         .Ret<xla::ffi::AnyBuffer>()                  // y
         .Attr<jax_avgpool::PoolAttrs>("geometry"));  // geometry
@@ -358,6 +472,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxAvgPoolBackwardCpu, jax_avgpool::BackwardImpl,
     xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::ThreadPool>()               // thread pool
         .Arg<xla::ffi::AnyBuffer>()                // dy
         .Ret<xla::ffi::AnyBuffer>()                // dx
         .Attr<jax_avgpool::PoolAttrs>("geometry")  // geometry
