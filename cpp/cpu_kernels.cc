@@ -46,33 +46,37 @@ inline float BitsFloat(uint32_t u) {
   return f;
 }
 
+// The conversions compute every case and select one, without branches, so
+// that the loops that call them vectorise.
+
 inline float Widen(Half h) {
   const uint32_t sign = static_cast<uint32_t>(h.bits & 0x8000u) << 16;
-  const uint32_t exponent = (h.bits >> 10) & 0x1fu;
-  const uint32_t mantissa = h.bits & 0x3ffu;
-  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact
-    const float v = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
-    return sign ? -v : v;
-  }
-  if (exponent == 31) return BitsFloat(sign | 0x7f800000u | (mantissa << 13));
-  return BitsFloat(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+  const uint32_t em = h.bits & 0x7fffu;  // exponent and mantissa
+  // Zero or subnormal: mantissa * 2^-24, exact.
+  const uint32_t tiny =
+      FloatBits(static_cast<float>(em) * 5.9604644775390625e-8f);
+  const uint32_t special = (em << 13) | 0x7f800000u;  // Inf or NaN
+  const uint32_t normal = (em << 13) + (112u << 23);  // rebias the exponent
+  const uint32_t bits =
+      em < 0x0400u ? tiny : (em >= 0x7c00u ? special : normal);
+  return BitsFloat(sign | bits);
 }
 
 inline Half NarrowHalf(float f) {
   const uint32_t x = FloatBits(f);
-  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
-  uint32_t ax = x & 0x7fffffffu;
-  if (ax >= 0x7f800000u) {  // Inf or NaN (kept quiet)
-    return {static_cast<uint16_t>(sign | 0x7c00u |
-                                  (ax > 0x7f800000u ? 0x200u : 0u))};
-  }
-  if (ax >= 0x477ff000u) return {static_cast<uint16_t>(sign | 0x7c00u)};
-  if (ax < 0x38800000u) {  // below the smallest normal half: round in float
-    const float v = BitsFloat(ax) + 0.5f;
-    return {static_cast<uint16_t>(sign | (FloatBits(v) - 0x3f000000u))};
-  }
-  ax += 0xc8000fffu + ((ax >> 13) & 1u);  // rebias the exponent, round even
-  return {static_cast<uint16_t>(sign | (ax >> 13))};
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t ax = x & 0x7fffffffu;
+  // Inf, or NaN kept quiet.
+  const uint32_t special = 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u);
+  // Below the smallest normal half: let float addition round.
+  const uint32_t tiny = FloatBits(BitsFloat(ax) + 0.5f) - 0x3f000000u;
+  // Rebias the exponent, round to nearest even.
+  const uint32_t normal = (ax + 0xc8000fffu + ((ax >> 13) & 1u)) >> 13;
+  const uint32_t bits = ax >= 0x7f800000u   ? special
+                        : ax >= 0x477ff000u ? 0x7c00u  // overflows to Inf
+                        : ax < 0x38800000u  ? tiny
+                                            : normal;
+  return {static_cast<uint16_t>(sign | bits)};
 }
 
 inline float Widen(BFloat16 b) {
@@ -80,12 +84,11 @@ inline float Widen(BFloat16 b) {
 }
 
 inline BFloat16 NarrowBFloat16(float f) {
-  uint32_t u = FloatBits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    return {static_cast<uint16_t>((u >> 16) | 0x40u)};
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return {static_cast<uint16_t>(u >> 16)};
+  const uint32_t u = FloatBits(f);
+  const uint32_t quiet = (u >> 16) | 0x40u;  // NaN stays NaN, made quiet
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return {
+      static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded)};
 }
 
 template <typename T>
@@ -188,13 +191,16 @@ struct Call {
   }
 };
 
-// The hot loops are compiled for several x86-64 levels and the best one the
-// host supports is picked at load time, so the wheel runs on any x86-64 yet
-// uses AVX2 or AVX-512 where present. Elsewhere the compiler's baseline.
+// The hot loops are compiled for baseline x86-64 and for x86-64-v3 (AVX2,
+// FMA, F16C), and the best one the host supports is picked at load time, so
+// the wheel runs on any x86-64 yet uses AVX2 where present. Not AVX-512:
+// rows of typical feature maps are short (56 columns), and its wider
+// vectors leave most of a row to the loop's scalar remainder; measured
+// slower. Elsewhere (aarch64: NEON is baseline) the compiler's default.
 #if defined(__x86_64__) && defined(__ELF__) && \
     (defined(__GNUC__) || defined(__clang__))
 #define JAX_AVGPOOL_CPU_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+  __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define JAX_AVGPOOL_CPU_CLONES
 #endif
@@ -254,15 +260,59 @@ JAX_AVGPOOL_CPU_CLONES void ForwardRows(const Call<typename Num<T>::Acc>& c,
 // (h, w) of dy[oh, ow] / divisor, in ascending (oh, ow) order. Each dx
 // element is written once, by one thread.
 //
-// Per dx row, for each covering dy row in turn: divide it by its divisors
-// into a row q with zero columns on both sides, then add to every position
-// its covering taps in ascending ow. In zero-padded coordinates
-// p = w + pad_left = i * SW + r, the covering outputs are ow = i - m_r ... i
-// with m_r = floor((KW - 1 - r) / SW): the same taps for every i of a phase
-// r, so the loop over i (or over C for NHWC) vectorises. Taps that fall
-// outside [0, OW) read the zero columns; adding +0 to a sum that started at
-// +0 changes no bit, so the order and the result are those of the plain
-// loop (and of the scatter kernel).
+// The dy rows are divided by their divisors once per thread into "q rows"
+// with zero columns on both sides, and cached while the dx rows that they
+// cover are computed (at most ceil(KH / SH) of them cover one dx row). In
+// zero-padded coordinates p = w + pad_left = i * SW + r, the outputs that
+// cover p are ow = i - m_r ... i with m_r = floor((KW - 1 - r) / SW): the
+// same taps for every i of a phase r. Taps outside [0, OW) read zeros, and
+// adding +0 to a sum that started at +0 changes no bit, so the sums are
+// bitwise those of the plain loop, and of the scatter kernel.
+//
+// A specialised kernel sums every dx element over the same number of rows
+// (missing ones read a zero row) and taps, constants, in a register; the
+// loop around that straight-line sum, over C for NHWC or over the groups of
+// SW positions for NCHW, vectorises. The generic kernel adds row by row and
+// tap by tap into an accumulator row instead.
+
+// The most dy rows (or columns) that cover one dx row (or column).
+constexpr int64_t MaxCover(int64_t k, int64_t s) { return (k + s - 1) / s; }
+
+// Taps m_r + 1 of the positions of phase r (none when r >= KW).
+constexpr int64_t PhaseTaps(int64_t k, int64_t s, int64_t r) {
+  return r < k ? (k - 1 - r) / s + 1 : 0;
+}
+
+// The sum of kRows q rows times kTaps taps, q[t][at + j * step], in (t, j)
+// order.
+template <int64_t kRows, int64_t kTaps, typename Acc>
+inline Acc SumTaps(const Acc* const* q, int64_t at, int64_t step) {
+  Acc sum = 0;
+  for (int64_t t = 0; t < kRows; ++t)
+    for (int64_t j = 0; j < kTaps; ++j) sum += q[t][at + j * step];
+  return sum;
+}
+
+// Calls fn(std::integral_constant<int64_t, phase>) for a runtime phase
+// in [0, S::SW).
+template <typename S, int64_t kPhase = 0, typename Fn>
+inline void WithPhase(int64_t phase, Fn&& fn) {
+  if constexpr (kPhase + 1 < S::SW) {
+    if (phase != kPhase) return WithPhase<S, kPhase + 1>(phase, fn);
+  }
+  fn(std::integral_constant<int64_t, kPhase>{});
+}
+
+// dx at the SW positions of group i, for phases kPhase... (NCHW).
+template <typename S, typename N, int64_t kPhase = 0, typename Acc, typename T>
+inline void GatherGroup(const Acc* const* q, int64_t i, T* out) {
+  if constexpr (kPhase < S::SW) {
+    constexpr int64_t kTaps = PhaseTaps(S::KW, S::SW, kPhase);
+    constexpr int64_t kRows = MaxCover(S::KH, S::SH);
+    out[kPhase] = N::Store(SumTaps<kRows, kTaps>(q, i - kTaps + 1, 1));
+    GatherGroup<S, N, kPhase + 1>(q, i, out);
+  }
+}
 
 template <typename S, bool kNhwc, typename T>
 JAX_AVGPOOL_CPU_CLONES void GatherRows(const Call<typename Num<T>::Acc>& c,
@@ -275,35 +325,85 @@ JAX_AVGPOOL_CPU_CLONES void GatherRows(const Call<typename Num<T>::Acc>& c,
   const int64_t L = kNhwc ? c.lanes : 1;
   const int64_t pl = c.a.pad_left;
   const int64_t groups = (pl + W - 1) / k.sw + 1;  // i ranges over them
-  const int64_t lead = (k.kw - 1) / k.sw;          // the largest m_r
-  std::vector<Acc> qbuf(static_cast<size_t>((std::max(OW, groups) + lead) * L),
-                        Acc(0));
-  Acc* __restrict q = qbuf.data() + lead * L;
-  std::vector<Acc> abuf(static_cast<size_t>(groups * k.sw * L));
-  Acc* __restrict acc = abuf.data();
+  const int64_t lead = MaxCover(k.kw, k.sw) - 1;   // the largest m_r
+  const int64_t slots = MaxCover(k.kh, k.sh);
+  // Cached q rows and a row of zeros: `lead` zero columns, OW quotients,
+  // zero columns up to the last group.
+  const int64_t width = (std::max(OW, groups) + lead) * L;
+  std::vector<Acc> qbuf(static_cast<size_t>((slots + 1) * width), Acc(0));
+  const Acc* zeros = qbuf.data() + slots * width + lead * L;
+  std::vector<int64_t> held(static_cast<size_t>(slots), -1);  // dy row ids
+  std::vector<const Acc*> qrows(static_cast<size_t>(slots));
+  const Acc* const* q = qrows.data();
+  // The generic kernel's accumulator: a zero-padded dx row.
+  std::vector<Acc> abuf(
+      static_cast<size_t>(S::kGeneric ? groups * k.sw * L : 0));
+  // Groups whose SW positions all are real columns.
+  const int64_t first = (pl + k.sw - 1) / k.sw;
+  const int64_t last = std::max(first, (pl + W) / k.sw);
   for (int64_t r = begin; r < end; ++r) {
     const int64_t image = r / H, h = r % H;
     const Cover& cover = c.t.row_cover[h];
-    for (int64_t i = 0; i < groups * k.sw * L; ++i) acc[i] = 0;
-    for (int64_t oh = cover.first; oh <= cover.last; ++oh) {
-      const T* g = dy + (image * OH + oh) * OW * L;
-      const Acc* d = c.div.data() + oh * OW;
-      for (int64_t ow = 0; ow < OW; ++ow)
-        for (int64_t l = 0; l < L; ++l)
-          q[ow * L + l] = N::Load(g[ow * L + l]) / d[ow];
-      for (int64_t i = 0; i < groups; ++i) {
-        for (int64_t phase = 0; phase < k.sw && phase < k.kw; ++phase) {
-          const int64_t m = (k.kw - 1 - phase) / k.sw;
-          Acc* a = acc + (i * k.sw + phase) * L;
-          const Acc* taps = q + (i - m) * L;
-          for (int64_t j = 0; j <= m; ++j)
-            for (int64_t l = 0; l < L; ++l) a[l] += taps[j * L + l];
-        }
+    const int64_t rows = std::max<int64_t>(cover.last - cover.first + 1, 0);
+    for (int64_t t = 0; t < slots; ++t) {
+      const int64_t oh = cover.first + t;
+      if (t >= rows) {
+        qrows[t] = zeros;
+        continue;
+      }
+      // Consecutive dy rows take distinct slots, and one cover spans at
+      // most `slots` of them.
+      const int64_t slot = oh % slots;
+      Acc* row = qbuf.data() + slot * width + lead * L;
+      if (held[slot] != image * OH + oh) {
+        held[slot] = image * OH + oh;
+        const T* g = dy + (image * OH + oh) * OW * L;
+        const Acc* d = c.div.data() + oh * OW;
+        for (int64_t ow = 0; ow < OW; ++ow)
+          for (int64_t l = 0; l < L; ++l)
+            row[ow * L + l] = N::Load(g[ow * L + l]) / d[ow];
+      }
+      qrows[t] = row;
+    }
+    T* out = dx + (image * H + h) * W * L;
+    if constexpr (S::kGeneric) {
+      Acc* acc = abuf.data();
+      for (int64_t i = 0; i < groups * k.sw * L; ++i) acc[i] = 0;
+      for (int64_t t = 0; t < rows; ++t)
+        for (int64_t i = 0; i < groups; ++i)
+          for (int64_t phase = 0; phase < k.sw; ++phase) {
+            const int64_t taps = PhaseTaps(k.kw, k.sw, phase);
+            Acc* a = acc + (i * k.sw + phase) * L;
+            for (int64_t j = 0; j < taps; ++j) {
+              const Acc* tap = q[t] + (i - taps + 1 + j) * L;
+              for (int64_t l = 0; l < L; ++l) a[l] += tap[l];
+            }
+          }
+      for (int64_t i = 0; i < W * L; ++i) out[i] = N::Store(acc[pl * L + i]);
+    } else {
+      constexpr int64_t kRows = MaxCover(S::KH, S::SH);
+      // One position, any phase: lanes in a vectorised loop.
+      const auto at = [&](int64_t w) {
+        const int64_t p = w + pl;
+        WithPhase<S>(p % S::SW, [&](auto phase) {
+          constexpr int64_t kTaps = PhaseTaps(S::KW, S::SW, phase);
+          const int64_t tap = (p / S::SW - kTaps + 1) * L;
+          for (int64_t l = 0; l < L; ++l)
+            out[w * L + l] = N::Store(SumTaps<kRows, kTaps>(q, tap + l, L));
+        });
+      };
+      if constexpr (kNhwc) {
+        for (int64_t w = 0; w < W; ++w) at(w);
+      } else {
+        // The edges, groups with a position in the padding, one by one;
+        // full groups vectorised along i.
+        for (int64_t w = 0; w < std::min(W, first * S::SW - pl); ++w) at(w);
+        for (int64_t w = last * S::SW - pl; w < W; ++w) at(w);
+        T* o = out + first * S::SW - pl;
+        for (int64_t i = first; i < last; ++i)
+          GatherGroup<S, N>(q, i, o + (i - first) * S::SW);
       }
     }
-    const Acc* real = acc + pl * L;
-    T* out = dx + (image * H + h) * W * L;
-    for (int64_t i = 0; i < W * L; ++i) out[i] = N::Store(real[i]);
   }
 }
 
