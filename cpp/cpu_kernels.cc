@@ -273,7 +273,9 @@ JAX_AVGPOOL_CPU_CLONES void ForwardRows(const Call<typename Num<T>::Acc>& c,
 // (missing ones read a zero row) and taps, constants, in a register; the
 // loop around that straight-line sum, over C for NHWC or over the groups of
 // SW positions for NCHW, vectorises. The generic kernel adds row by row and
-// tap by tap into an accumulator row instead.
+// tap by tap instead, each pass a vectorised loop: over C into an
+// accumulator row for NHWC; for NCHW, over a block of i in registers, one
+// phase after another, interleaved into dx at the end.
 
 // The most dy rows (or columns) that cover one dx row (or column).
 constexpr int64_t MaxCover(int64_t k, int64_t s) { return (k + s - 1) / s; }
@@ -329,7 +331,10 @@ JAX_AVGPOOL_CPU_CLONES void GatherRows(const Call<typename Num<T>::Acc>& c,
   const int64_t slots = MaxCover(k.kh, k.sh);
   // Cached q rows and a row of zeros: `lead` zero columns, OW quotients,
   // zero columns up to the last group.
-  const int64_t width = (std::max(OW, groups) + lead) * L;
+  // The generic NCHW kernel reads a block of kBlock groups past the last.
+  constexpr int64_t kBlock = 16;
+  const int64_t width =
+      (std::max(OW, groups) + lead + (S::kGeneric && !kNhwc ? kBlock : 0)) * L;
   std::vector<Acc> qbuf(static_cast<size_t>((slots + 1) * width), Acc(0));
   const Acc* zeros = qbuf.data() + slots * width + lead * L;
   std::vector<int64_t> held(static_cast<size_t>(slots), -1);  // dy row ids
@@ -366,8 +371,8 @@ JAX_AVGPOOL_CPU_CLONES void GatherRows(const Call<typename Num<T>::Acc>& c,
       qrows[t] = row;
     }
     T* out = dx + (image * H + h) * W * L;
-    if constexpr (S::kGeneric) {
-      Acc* acc = abuf.data();
+    if constexpr (S::kGeneric && kNhwc) {
+      Acc* acc = abuf.data();  // position-major, lanes contiguous
       for (int64_t i = 0; i < groups * k.sw * L; ++i) acc[i] = 0;
       for (int64_t t = 0; t < rows; ++t)
         for (int64_t i = 0; i < groups; ++i)
@@ -380,6 +385,29 @@ JAX_AVGPOOL_CPU_CLONES void GatherRows(const Call<typename Num<T>::Acc>& c,
             }
           }
       for (int64_t i = 0; i < W * L; ++i) out[i] = N::Store(acc[pl * L + i]);
+    } else if constexpr (S::kGeneric) {
+      // Phase-major; kBlock groups at a time summed in registers.
+      Acc* acc = abuf.data();
+      for (int64_t phase = 0; phase < k.sw; ++phase) {
+        const int64_t taps = PhaseTaps(k.kw, k.sw, phase);
+        for (int64_t i0 = 0; i0 < groups; i0 += kBlock) {
+          Acc block[kBlock] = {};
+          for (int64_t t = 0; t < rows; ++t)
+            for (int64_t j = 0; j < taps; ++j) {
+              const Acc* tap = q[t] + i0 + j - taps + 1;
+              for (int64_t b = 0; b < kBlock; ++b) block[b] += tap[b];
+            }
+          Acc* a = acc + phase * groups + i0;
+          for (int64_t b = 0; b < std::min(kBlock, groups - i0); ++b)
+            a[b] = block[b];
+        }
+      }
+      // Interleave: phase r of group i is column i * SW + r - pad_left.
+      for (int64_t phase = 0; phase < k.sw; ++phase) {
+        const int64_t lo = std::max<int64_t>(pl - phase + k.sw - 1, 0) / k.sw;
+        for (int64_t i = lo, w = i * k.sw + phase - pl; w < W; ++i, w += k.sw)
+          out[w] = N::Store(acc[phase * groups + i]);
+      }
     } else {
       constexpr int64_t kRows = MaxCover(S::KH, S::SH);
       // One position, any phase: lanes in a vectorised loop.
@@ -440,11 +468,19 @@ JAX_AVGPOOL_CPU_CLONES void ScatterImages(const Call<typename Num<T>::Acc>& c,
       const Window& wh = c.t.rows[oh];
       for (int64_t h = wh.start; h < wh.end; ++h) {
         Acc* ar = acc + h * wp * L;
-        for (int64_t ow = 0; ow < OW; ++ow) {
-          Acc* a = ar + ow * k.sw * L;
-          const Acc* qc = q + ow * L;
-          for (int64_t j = 0; j < k.kw; ++j)
-            for (int64_t l = 0; l < L; ++l) a[j * L + l] += qc[l];
+        if constexpr (kNhwc) {
+          for (int64_t ow = 0; ow < OW; ++ow) {
+            Acc* a = ar + ow * k.sw * L;
+            const Acc* qc = q + ow * L;
+            for (int64_t j = 0; j < k.kw; ++j)
+              for (int64_t l = 0; l < L; ++l) a[j * L + l] += qc[l];
+          }
+        } else {
+          // Tap by tap, the last first: within one tap the windows write
+          // distinct columns (no chain through memory, vectorisable), and
+          // a column still receives its windows in ascending ow.
+          for (int64_t j = k.kw - 1; j >= 0; --j)
+            for (int64_t ow = 0; ow < OW; ++ow) ar[ow * k.sw + j] += q[ow];
         }
       }
     }
