@@ -136,14 +136,17 @@ Tables MakeTables(const PoolAttrs& a, const PoolShape& s) {
 }
 
 // Divisors of every window, as the accumulator type, row-major (oh, ow).
+// As large as the output plane, so filled by the pool too.
 template <typename Acc>
 std::vector<Acc> Divisors(const PoolAttrs& a, const PoolShape& s,
-                          const Tables& t) {
+                          const Tables& t, ffi::ThreadPool* pool) {
   std::vector<Acc> d(static_cast<size_t>(s.out_h * s.out_w));
-  for (int64_t oh = 0; oh < s.out_h; ++oh)
-    for (int64_t ow = 0; ow < s.out_w; ++ow)
-      d[oh * s.out_w + ow] =
-          static_cast<Acc>(Divisor(a, t.rows[oh], t.cols[ow]));
+  ParallelFor(pool, s.out_h, s.out_w, [&](int64_t begin, int64_t end) {
+    for (int64_t oh = begin; oh < end; ++oh)
+      for (int64_t ow = 0; ow < s.out_w; ++ow)
+        d[oh * s.out_w + ow] =
+            static_cast<Acc>(Divisor(a, t.rows[oh], t.cols[ow]));
+  });
   return d;
 }
 
@@ -174,11 +177,11 @@ struct Call {
   int64_t images;
   int64_t lanes;
 
-  Call(const PoolAttrs& attrs, const PoolShape& shape)
+  Call(const PoolAttrs& attrs, const PoolShape& shape, ffi::ThreadPool* pool)
       : a(attrs),
         s(shape),
         t(MakeTables(attrs, shape)),
-        div(Divisors<Acc>(attrs, shape, t)),
+        div(Divisors<Acc>(attrs, shape, t, pool)),
         images(attrs.layout == kNHWC ? shape.batch
                                      : shape.batch * shape.channels),
         lanes(attrs.layout == kNHWC ? shape.channels : 1) {}
@@ -540,7 +543,7 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool,           // thread pool
     using T = decltype(tag);
     const T* in = static_cast<const T*>(x.untyped_data());
     T* out = static_cast<T*>(y->untyped_data());
-    const Call<typename Num<T>::Acc> c(geometry, s);
+    const Call<typename Num<T>::Acc> c(geometry, s, &pool);
     WithKernel(geometry, [&](auto spec, auto nhwc) {
       using S = decltype(spec);
       // One unit is one output row: its window rows, then its columns.
@@ -566,16 +569,14 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool,            // thread pool
     using T = decltype(tag);
     const T* g = static_cast<const T*>(dy.untyped_data());
     T* d = static_cast<T*>(dx->untyped_data());
-    const Call<typename Num<T>::Acc> c(geometry, s);
+    const Call<typename Num<T>::Acc> c(geometry, s, &pool);
     WithKernel(geometry, [&](auto spec, auto nhwc) {
       using S = decltype(spec);
       if (strategy == kGather) {
-        // One unit is one dx row: each covering dy row, then the row.
-        const int64_t covering =
-            (geometry.kernel_h + geometry.stride_h - 1) / geometry.stride_h;
-        const int64_t work =
-            (covering * (s.out_w + geometry.kernel_w * s.in_w) + s.in_w) *
-            c.lanes;
+        // One unit is one dx row: its terms, and about one dy row divided.
+        const int64_t terms = MaxCover(geometry.kernel_h, geometry.stride_h) *
+                              MaxCover(geometry.kernel_w, geometry.stride_w);
+        const int64_t work = (terms * s.in_w + s.out_w) * c.lanes;
         ParallelFor(&pool, c.images * s.in_h, work,
                     [&](int64_t begin, int64_t end) {
                       GatherRows<S, nhwc.value>(c, g, d, begin, end);

@@ -27,9 +27,10 @@
 
 namespace jax_avgpool {
 
-// Below this many element operations per worker, handing work to another
-// thread costs more than it saves (waking a pool thread takes microseconds).
-inline constexpr int64_t kMinWorkPerThread = int64_t{1} << 16;
+// Below this many element operations per worker (some microseconds of
+// work), handing work to another thread costs more than it saves: waking a
+// pool thread takes microseconds too.
+inline constexpr int64_t kMinWorkPerThread = int64_t{1} << 15;
 
 // Chunks per worker: enough that a worker which starts late, or a slower
 // core, does not leave the others idle at the end.
