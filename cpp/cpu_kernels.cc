@@ -2,9 +2,14 @@
 // FFI handlers.
 //
 // Every kernel works on the folded logical shape of pooling.h (leading
-// dimensions folded into one batch) in either layout. 16-bit types are
-// loaded into float32 accumulators one element at a time; float32 and
-// float64 accumulate in their own type. Offsets are 64-bit throughout.
+// dimensions folded into one batch) in either layout, one output row (or
+// image) at a time, so that XLA's intra-op thread pool can take disjoint
+// ranges of rows (cpu_parallel.h). Each is a template on the Spec that
+// WithSpec picks (kernel_spec.h): window and strides are compile-time
+// constants in the specialisations, runtime values in the generic kernel.
+// Inner loops run along W for NCHW and along C for NHWC, and vectorise.
+// 16-bit types are widened row by row into float32 accumulators; float32
+// and float64 accumulate in their own type. Offsets are 64-bit throughout.
 #include "cpu_kernels.h"
 
 #include <algorithm>
