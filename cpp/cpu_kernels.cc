@@ -538,10 +538,10 @@ void WithKernel(const PoolAttrs& a, Fn&& fn) {
   });
 }
 
-ffi::Error ForwardImpl(ffi::ThreadPool pool,           // thread pool
-                       ffi::AnyBuffer x,               // x
-                       ffi::Result<ffi::AnyBuffer> y,  // y
-                       ffi::Dictionary geometry_attr) {           // geometry
+ffi::Error ForwardImpl(ffi::ThreadPool pool,             // thread pool
+                       ffi::AnyBuffer x,                 // x
+                       ffi::Result<ffi::AnyBuffer> y,    // y
+                       ffi::Dictionary geometry_attr) {  // geometry
   PoolAttrs geometry;
   if (ffi::Error e = DecodeGeometry(geometry_attr, &geometry); e.failure()) {
     return e;
@@ -569,7 +569,7 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool,           // thread pool
 ffi::Error BackwardImpl(ffi::ThreadPool pool,            // thread pool
                         ffi::AnyBuffer dy,               // dy
                         ffi::Result<ffi::AnyBuffer> dx,  // dx
-                        ffi::Dictionary geometry_attr,              // geometry
+                        ffi::Dictionary geometry_attr,   // geometry
                         int64_t strategy) {              // strategy
   if (ffi::Error e = CheckStrategy(strategy); e.failure()) return e;
   PoolAttrs geometry;
@@ -614,16 +614,16 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool,            // thread pool
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxAvgPoolForwardCpu, jax_avgpool::ForwardImpl,
     xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::ThreadPool>()                 // thread pool
-        .Arg<xla::ffi::AnyBuffer>()                  // x
-        .Ret<xla::ffi::AnyBuffer>()                  // y
+        .Ctx<xla::ffi::ThreadPool>()               // thread pool
+        .Arg<xla::ffi::AnyBuffer>()                // x
+        .Ret<xla::ffi::AnyBuffer>()                // y
         .Attr<xla::ffi::Dictionary>("geometry"));  // geometry
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxAvgPoolBackwardCpu, jax_avgpool::BackwardImpl,
     xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::ThreadPool>()               // thread pool
-        .Arg<xla::ffi::AnyBuffer>()                // dy
-        .Ret<xla::ffi::AnyBuffer>()                // dx
+        .Ctx<xla::ffi::ThreadPool>()             // thread pool
+        .Arg<xla::ffi::AnyBuffer>()              // dy
+        .Ret<xla::ffi::AnyBuffer>()              // dx
         .Attr<xla::ffi::Dictionary>("geometry")  // geometry
-        .Attr<int64_t>("strategy"));               // strategy
+        .Attr<int64_t>("strategy"));             // strategy

@@ -20,7 +20,7 @@ namespace ffi = ::xla::ffi;
 // The members of the `geometry` attribute, in PoolAttrs order.
 inline constexpr struct {
   const char* name;
-  int64_t PoolAttrs::*member;
+  int64_t PoolAttrs::* member;
 } kGeometryMembers[] = {
     {"kernel_h", &PoolAttrs::kernel_h},
     {"kernel_w", &PoolAttrs::kernel_w},
@@ -73,10 +73,10 @@ inline std::string DimsToString(ffi::AnyBuffer::Dimensions d) {
   return s + ")";
 }
 
-// Checks, for valid attributes `a`, that `in` (the pooled side: x for the forward, dx for the backward)
-// and `out` (y, or dy) are consistent with the attributes, and returns the
-// folded logical shape. Leading dimensions (all but the last three) are
-// folded into one batch dimension.
+// Checks, for valid attributes `a`, that `in` (the pooled side: x for the
+// forward, dx for the backward) and `out` (y, or dy) are consistent with the
+// attributes, and returns the folded logical shape. Leading dimensions (all but
+// the last three) are folded into one batch dimension.
 inline ffi::Error CheckShapes(const PoolAttrs& a, const ffi::AnyBuffer& in,
                               const ffi::AnyBuffer& out, PoolShape* shape) {
   if (in.element_type() != out.element_type()) {
