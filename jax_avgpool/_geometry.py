@@ -131,10 +131,6 @@ class Geometry:
         """Axes of H and W counted from the end (negative)."""
         return (-3, -2) if self.layout == "NHWC" else (-2, -1)
 
-    @property
-    def channel_axis(self) -> int:
-        return -1 if self.layout == "NHWC" else -3
-
     def with_spatial(self, shape: Sequence[int], hw: tuple[int, int]) -> tuple[int, ...]:
         """``shape`` with its spatial dimensions replaced by ``hw``."""
         out = list(shape)
