@@ -10,148 +10,13 @@
 // specialisations of kernel_spec.h and runtime values in the generic kernel
 // (BLOCK 1). 16-bit types accumulate in float32. Offsets are 64-bit; the
 // decomposition of the flat index uses 32-bit arithmetic when it fits.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 
-#include "cuda_kernels.h"
-#include "kernel_spec.h"
-#include "pooling.h"
+#include "cuda_common.cuh"
 
 namespace jax_avgpool::cuda {
 namespace {
-
-constexpr int kThreads = 256;
-
-// ---------------------------------------------------------------------------
-// Element types: accumulator type, widening load, narrowing store.
-
-template <typename T>
-struct Num {
-  using Acc = T;
-  static __device__ __forceinline__ Acc Load(T v) { return v; }
-  static __device__ __forceinline__ T Store(Acc v) { return v; }
-};
-template <>
-struct Num<__half> {
-  using Acc = float;
-  static __device__ __forceinline__ Acc Load(__half v) {
-    return __half2float(v);
-  }
-  static __device__ __forceinline__ __half Store(Acc v) {
-    return __float2half_rn(v);
-  }
-};
-template <>
-struct Num<__nv_bfloat16> {
-  using Acc = float;
-  static __device__ __forceinline__ Acc Load(__nv_bfloat16 v) {
-    return __bfloat162float(v);
-  }
-  static __device__ __forceinline__ __nv_bfloat16 Store(Acc v) {
-    return __float2bfloat16_rn(v);
-  }
-};
-
-// V channels moved as one access (16 bytes when V = 16 / sizeof(T)).
-template <typename T, int V>
-struct alignas(sizeof(T) * V) Vec {
-  T v[V];
-};
-
-// ---------------------------------------------------------------------------
-// Constants: compile-time for a specialisation, runtime for the generic
-// kernel.
-
-template <typename S>
-struct Consts {
-  int64_t kh, kw, sh, sw;
-  __device__ __forceinline__ explicit Consts(const PoolAttrs& a) {
-    if constexpr (S::kGeneric) {
-      kh = a.kernel_h;
-      kw = a.kernel_w;
-      sh = a.stride_h;
-      sw = a.stride_w;
-    } else {
-      kh = S::KH;
-      kw = S::KW;
-      sh = S::SH;
-      sw = S::SW;
-    }
-  }
-};
-
-__device__ __forceinline__ int64_t FirstThread() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-__device__ __forceinline__ int64_t ThreadCount() {
-  return static_cast<int64_t>(gridDim.x) * blockDim.x;
-}
-
-// Splits a flat index into (outer, mid, inner) of extents (., m, n): the
-// last varies fastest. 32-bit division when the index fits, which is much
-// cheaper than 64-bit division on the GPU; the branch is uniform.
-struct Split3 {
-  int64_t outer, mid, inner;
-};
-__device__ __forceinline__ Split3 Decompose(int64_t i, int64_t m, int64_t n,
-                                            bool narrow) {
-  if (narrow) {
-    const uint32_t i32 = static_cast<uint32_t>(i);
-    const uint32_t n32 = static_cast<uint32_t>(n);
-    const uint32_t m32 = static_cast<uint32_t>(m);
-    const uint32_t t = i32 / n32;
-    return {t / m32, t % m32, i32 % n32};
-  }
-  const int64_t t = i / n;
-  return {t / m, t % m, i % n};
-}
-
-// (i / n, i % n), in 32-bit arithmetic when `narrow`.
-struct Split2 {
-  int64_t quot, rem;
-};
-__device__ __forceinline__ Split2 DivMod(int64_t i, int64_t n, bool narrow) {
-  if (narrow) {
-    const uint32_t i32 = static_cast<uint32_t>(i);
-    const uint32_t n32 = static_cast<uint32_t>(n);
-    return {i32 / n32, i32 % n32};
-  }
-  return {i / n, i % n};
-}
-
-// Stores a run of up to B accumulated values at out[0, n): one vector store
-// when `whole_vectors` (every run starts aligned and rows hold whole runs),
-// else element by element.
-template <typename T, int B>
-__device__ __forceinline__ bool CanStoreRuns(const T* base, int64_t row) {
-  constexpr size_t kBytes = sizeof(T) * B;
-  return kBytes <= 16 && (kBytes & (kBytes - 1)) == 0 && row % B == 0 &&
-         reinterpret_cast<uintptr_t>(base) % kBytes == 0;
-}
-
-template <typename T, int B, typename Acc>
-__device__ __forceinline__ void StoreRun(T* out, const Acc (&acc)[B], int64_t n,
-                                         bool whole_vectors) {
-  using N = Num<T>;
-  if constexpr (sizeof(T) * B <= 16 && B > 1) {
-    if (whole_vectors) {
-      Vec<T, B> v;
-#pragma unroll
-      for (int b = 0; b < B; ++b) v.v[b] = N::Store(acc[b]);
-      *reinterpret_cast<Vec<T, B>*>(out) = v;
-      return;
-    }
-  }
-#pragma unroll
-  for (int b = 0; b < B; ++b) {
-    if (b < n) out[b] = N::Store(acc[b]);
-  }
-}
 
 // ---------------------------------------------------------------------------
 // Forward.
@@ -374,87 +239,6 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---------------------------------------------------------------------------
-// Backward, scatter: each dy / divisor is added with atomics to every element
-// of its window, in the accumulator type: into dx itself for float32 and
-// float64, into a float32 workspace for 16-bit types, narrowed into dx
-// afterwards. The target must be zero before the launch.
-
-// The outputs of one scatter thread: BLOCK of them, 32 apart, so that the
-// lanes of a warp work on consecutive outputs and their atomics coalesce.
-// Calls fn(o) for each output index o < count.
-template <int B, typename Fn>
-__device__ __forceinline__ void ForEachWarpInterleaved(int64_t count, Fn fn) {
-  const int64_t lane = threadIdx.x % 32;
-  const int64_t step = ThreadCount() * B;
-  for (int64_t base = (FirstThread() - lane) * B + lane; base < count;
-       base += step) {
-#pragma unroll
-    for (int b = 0; b < B; ++b) {
-      const int64_t o = base + 32 * b;
-      if (o < count) fn(o);
-    }
-  }
-}
-
-// NCHW: outputs flat over (plane, oh, ow).
-template <typename T, typename S>
-__global__ void __launch_bounds__(kThreads)
-    ScatterNchw(const PoolAttrs a, const PoolShape s, const T* __restrict__ dy,
-                typename Num<T>::Acc* __restrict__ dx, const int64_t total) {
-  using N = Num<T>;
-  using Acc = typename N::Acc;
-  const Consts<S> k(a);
-  const int64_t H = s.in_h, W = s.in_w, OH = s.out_h, OW = s.out_w;
-  const bool narrow = total <= INT32_MAX;
-  ForEachWarpInterleaved<S::BLOCK>(total, [&](int64_t o) {
-    const Split3 at = Decompose(o, OH, OW, narrow);
-    const int64_t p = at.outer, oh = at.mid, ow = at.inner;
-    const Window wh = WindowAt(oh, H, k.kh, k.sh, a.pad_top, a.pad_bottom);
-    const Window ww = WindowAt(ow, W, k.kw, k.sw, a.pad_left, a.pad_right);
-    const Acc g = N::Load(dy[o]) / static_cast<Acc>(Divisor(a, wh, ww));
-    Acc* plane = dx + p * H * W;
-    for (int64_t h = wh.start; h < wh.end; ++h)
-      for (int64_t w = ww.start; w < ww.end; ++w)
-        atomicAdd(plane + h * W + w, g);
-  });
-}
-
-// NHWC: outputs flat over (n and oh, ow, c).
-template <typename T, typename S>
-__global__ void __launch_bounds__(kThreads)
-    ScatterNhwc(const PoolAttrs a, const PoolShape s, const T* __restrict__ dy,
-                typename Num<T>::Acc* __restrict__ dx, const int64_t total) {
-  using N = Num<T>;
-  using Acc = typename N::Acc;
-  const Consts<S> k(a);
-  const int64_t H = s.in_h, W = s.in_w, OH = s.out_h, OW = s.out_w;
-  const int64_t C = s.channels;
-  const bool narrow = total <= INT32_MAX;
-  ForEachWarpInterleaved<S::BLOCK>(total, [&](int64_t o) {
-    const Split3 at = Decompose(o, OW, C, narrow);
-    const Split2 n_oh = DivMod(at.outer, OH, narrow);
-    const int64_t n = n_oh.quot, oh = n_oh.rem, ow = at.mid, c = at.inner;
-    const Window wh = WindowAt(oh, H, k.kh, k.sh, a.pad_top, a.pad_bottom);
-    const Window ww = WindowAt(ow, W, k.kw, k.sw, a.pad_left, a.pad_right);
-    const Acc g = N::Load(dy[o]) / static_cast<Acc>(Divisor(a, wh, ww));
-    Acc* image = dx + n * H * W * C + c;
-    for (int64_t h = wh.start; h < wh.end; ++h)
-      for (int64_t w = ww.start; w < ww.end; ++w)
-        atomicAdd(image + (h * W + w) * C, g);
-  });
-}
-
-// Narrows the float32 workspace of a 16-bit scatter into dx.
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    Narrow(const float* __restrict__ acc, T* __restrict__ dx,
-           const int64_t total) {
-  for (int64_t i = FirstThread(); i < total; i += ThreadCount()) {
-    dx[i] = Num<T>::Store(acc[i]);
-  }
-}
-
-// ---------------------------------------------------------------------------
 // NCHW gather through shared memory, for heavily overlapping windows. A block
 // owns a tile of whole dx rows of one plane: it divides each dy element it
 // needs by its divisor once, then sums in two separable passes (along W,
@@ -516,35 +300,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// ---------------------------------------------------------------------------
-// Launching.
-
-template <typename... KArgs, typename... Args>
-cudaError_t Launch(void (*kernel)(KArgs...), cudaStream_t stream, int64_t total,
-                   Args... args) {
-  if (total == 0) return cudaSuccess;
-  const int64_t blocks =
-      std::min<int64_t>((total + kThreads - 1) / kThreads, INT32_MAX);
-  kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(args...,
-                                                                 total);
-  return cudaGetLastError();
-}
-
-template <typename Fn>
-cudaError_t WithType(DType dtype, Fn&& fn) {
-  switch (dtype) {
-    case DType::kF16:
-      return fn(__half{});
-    case DType::kBF16:
-      return fn(__nv_bfloat16{});
-    case DType::kF32:
-      return fn(float{});
-    case DType::kF64:
-      return fn(double{});
-  }
-  return cudaErrorInvalidValue;
-}
-
 // Channels per vector access in NHWC: 16 bytes when C and both buffers
 // allow it, else one.
 template <typename T>
@@ -557,8 +312,6 @@ bool CanVectorise(const PoolShape& s, const void* in, const void* out) {
   };
   return s.channels % kWide<T> == 0 && aligned(in) && aligned(out);
 }
-
-int64_t Groups(int64_t n, int block) { return (n + block - 1) / block; }
 
 // Shared memory of a tiled block: aim for several blocks per multiprocessor,
 // and never more than the default per-block limit.
@@ -662,41 +415,6 @@ cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
       return Launch(GatherNhwc<T, S, 1>, stream, rows * groups * s.channels, a,
                     s, in, out);
     });
-  });
-}
-
-cudaError_t LaunchBackwardScatter(cudaStream_t stream, DType dtype,
-                                  const PoolAttrs& a, const PoolShape& s,
-                                  const void* dy, void* dx, void* workspace) {
-  return WithType(dtype, [&](auto tag) {
-    using T = decltype(tag);
-    using Acc = typename Num<T>::Acc;
-    constexpr bool kNarrow = !std::is_same_v<T, Acc>;
-    const int64_t elements = s.batch * s.channels * s.in_h * s.in_w;
-    if (elements == 0) return cudaSuccess;
-    if (kNarrow && workspace == nullptr) return cudaErrorInvalidValue;
-    Acc* target = static_cast<Acc*>(kNarrow ? workspace : dx);
-    if (cudaError_t e = cudaMemsetAsync(
-            target, 0, static_cast<size_t>(elements) * sizeof(Acc), stream);
-        e != cudaSuccess) {
-      return e;
-    }
-    const T* in = static_cast<const T*>(dy);
-    const cudaError_t scattered = WithSpec(a, [&](auto spec) {
-      using S = decltype(spec);
-      // One thread per BLOCK outputs; the kernels take the output count.
-      const int64_t outputs = s.batch * s.channels * s.out_h * s.out_w;
-      if (outputs == 0) return cudaSuccess;
-      const auto kernel =
-          a.layout == kNCHW ? ScatterNchw<T, S> : ScatterNhwc<T, S>;
-      const int64_t blocks = Groups(Groups(outputs, S::BLOCK), kThreads);
-      kernel<<<static_cast<unsigned>(std::min<int64_t>(blocks, INT32_MAX)),
-               kThreads, 0, stream>>>(a, s, in, target, outputs);
-      return cudaGetLastError();
-    });
-    if (scattered != cudaSuccess || !kNarrow) return scattered;
-    return Launch(Narrow<T>, stream, elements,
-                  static_cast<const float*>(workspace), static_cast<T*>(dx));
   });
 }
 

@@ -1,0 +1,180 @@
+// Device helpers shared by the CUDA kernel files: element types and their
+// accumulators, vector accesses, compile-time or runtime constants, flat-index
+// decomposition and launching. Included only from .cu files.
+#ifndef JAX_AVGPOOL_CUDA_COMMON_CUH_
+#define JAX_AVGPOOL_CUDA_COMMON_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cuda_kernels.h"
+#include "kernel_spec.h"
+#include "pooling.h"
+
+namespace jax_avgpool::cuda {
+
+constexpr int kThreads = 256;
+
+// ---------------------------------------------------------------------------
+// Element types: accumulator type, widening load, narrowing store.
+
+template <typename T>
+struct Num {
+  using Acc = T;
+  static __device__ __forceinline__ Acc Load(T v) { return v; }
+  static __device__ __forceinline__ T Store(Acc v) { return v; }
+};
+template <>
+struct Num<__half> {
+  using Acc = float;
+  static __device__ __forceinline__ Acc Load(__half v) {
+    return __half2float(v);
+  }
+  static __device__ __forceinline__ __half Store(Acc v) {
+    return __float2half_rn(v);
+  }
+};
+template <>
+struct Num<__nv_bfloat16> {
+  using Acc = float;
+  static __device__ __forceinline__ Acc Load(__nv_bfloat16 v) {
+    return __bfloat162float(v);
+  }
+  static __device__ __forceinline__ __nv_bfloat16 Store(Acc v) {
+    return __float2bfloat16_rn(v);
+  }
+};
+
+// V channels moved as one access (16 bytes when V = 16 / sizeof(T)).
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Vec {
+  T v[V];
+};
+
+// ---------------------------------------------------------------------------
+// Constants: compile-time for a specialisation, runtime for the generic
+// kernel.
+
+template <typename S>
+struct Consts {
+  int64_t kh, kw, sh, sw;
+  __device__ __forceinline__ explicit Consts(const PoolAttrs& a) {
+    if constexpr (S::kGeneric) {
+      kh = a.kernel_h;
+      kw = a.kernel_w;
+      sh = a.stride_h;
+      sw = a.stride_w;
+    } else {
+      kh = S::KH;
+      kw = S::KW;
+      sh = S::SH;
+      sw = S::SW;
+    }
+  }
+};
+
+__device__ __forceinline__ int64_t FirstThread() {
+  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ int64_t ThreadCount() {
+  return static_cast<int64_t>(gridDim.x) * blockDim.x;
+}
+
+// Splits a flat index into (outer, mid, inner) of extents (., m, n): the
+// last varies fastest. 32-bit division when the index fits, which is much
+// cheaper than 64-bit division on the GPU; the branch is uniform.
+struct Split3 {
+  int64_t outer, mid, inner;
+};
+__device__ __forceinline__ Split3 Decompose(int64_t i, int64_t m, int64_t n,
+                                            bool narrow) {
+  if (narrow) {
+    const uint32_t i32 = static_cast<uint32_t>(i);
+    const uint32_t n32 = static_cast<uint32_t>(n);
+    const uint32_t m32 = static_cast<uint32_t>(m);
+    const uint32_t t = i32 / n32;
+    return {t / m32, t % m32, i32 % n32};
+  }
+  const int64_t t = i / n;
+  return {t / m, t % m, i % n};
+}
+
+// (i / n, i % n), in 32-bit arithmetic when `narrow`.
+struct Split2 {
+  int64_t quot, rem;
+};
+__device__ __forceinline__ Split2 DivMod(int64_t i, int64_t n, bool narrow) {
+  if (narrow) {
+    const uint32_t i32 = static_cast<uint32_t>(i);
+    const uint32_t n32 = static_cast<uint32_t>(n);
+    return {i32 / n32, i32 % n32};
+  }
+  return {i / n, i % n};
+}
+
+// Stores a run of up to B accumulated values at out[0, n): one vector store
+// when `whole_vectors` (every run starts aligned and rows hold whole runs),
+// else element by element.
+template <typename T, int B>
+__device__ __forceinline__ bool CanStoreRuns(const T* base, int64_t row) {
+  constexpr size_t kBytes = sizeof(T) * B;
+  return kBytes <= 16 && (kBytes & (kBytes - 1)) == 0 && row % B == 0 &&
+         reinterpret_cast<uintptr_t>(base) % kBytes == 0;
+}
+
+template <typename T, int B, typename Acc>
+__device__ __forceinline__ void StoreRun(T* out, const Acc (&acc)[B], int64_t n,
+                                         bool whole_vectors) {
+  using N = Num<T>;
+  if constexpr (sizeof(T) * B <= 16 && B > 1) {
+    if (whole_vectors) {
+      Vec<T, B> v;
+#pragma unroll
+      for (int b = 0; b < B; ++b) v.v[b] = N::Store(acc[b]);
+      *reinterpret_cast<Vec<T, B>*>(out) = v;
+      return;
+    }
+  }
+#pragma unroll
+  for (int b = 0; b < B; ++b) {
+    if (b < n) out[b] = N::Store(acc[b]);
+  }
+}
+
+// Launching.
+
+template <typename... KArgs, typename... Args>
+cudaError_t Launch(void (*kernel)(KArgs...), cudaStream_t stream, int64_t total,
+                   Args... args) {
+  if (total == 0) return cudaSuccess;
+  const int64_t blocks =
+      std::min<int64_t>((total + kThreads - 1) / kThreads, INT32_MAX);
+  kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(args...,
+                                                                 total);
+  return cudaGetLastError();
+}
+
+inline int64_t Groups(int64_t n, int block) { return (n + block - 1) / block; }
+
+template <typename Fn>
+cudaError_t WithType(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::kF16:
+      return fn(__half{});
+    case DType::kBF16:
+      return fn(__nv_bfloat16{});
+    case DType::kF32:
+      return fn(float{});
+    case DType::kF64:
+      return fn(double{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace jax_avgpool::cuda
+
+#endif  // JAX_AVGPOOL_CUDA_COMMON_CUH_
