@@ -1,22 +1,37 @@
-// CUDA kernels for 2-D average pooling: forward, deterministic gather
-// backward and atomic scatter backward, in NCHW and NHWC, and their
-// launchers.
+// CUDA kernels for 2-D average pooling: forward and deterministic gather
+// backward, in NCHW and NHWC, and their launchers (the atomic scatter is in
+// cuda_scatter.cu).
 //
-// Every kernel is a grid-stride loop over a flat 1-D index of its work
-// items. A work item is BLOCK adjacent outputs along W (forward, scatter) or
-// BLOCK adjacent inputs along W (gather) of one row, times one vector of V
-// channels in NHWC. Columns that adjacent outputs share are loaded once per
-// thread. KH, KW, SH, SW and BLOCK are compile-time constants for the
-// specialisations of kernel_spec.h and runtime values in the generic kernel
-// (BLOCK 1). 16-bit types accumulate in float32. Offsets are 64-bit; the
-// decomposition of the flat index uses 32-bit arithmetic when it fits.
+// Three families:
+// - NCHW row kernels (the specialisations, when W is a multiple of the
+//   16-byte chunk): the lanes of a warp cover consecutive chunks of the same
+//   rows and exchange the columns at chunk edges by warp shuffles; see
+//   "NCHW row kernels" below.
+// - NHWC kernels: a work item is BLOCK adjacent outputs (forward) or inputs
+//   (gather) along W of one row times one vector of V channels, so a warp's
+//   accesses are contiguous channel vectors.
+// - Direct NCHW kernels for every other call: grid-stride loops over BLOCK
+//   adjacent outputs or inputs along W, and a shared-memory tiled gather for
+//   heavily overlapping generic windows.
+// KH, KW, SH, SW and BLOCK are compile-time constants for the
+// specialisations of kernel_spec.h and runtime values in the generic kernels
+// (BLOCK 1). 16-bit types accumulate in float32. Offsets are 64-bit; index
+// decomposition uses 32-bit arithmetic where it fits.
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda_common.cuh"
 
 namespace jax_avgpool::cuda {
 namespace {
+
+// Correctly rounded reciprocals: the kernels multiply by 1 / divisor rather
+// than divide, computing one reciprocal per window instead of one division
+// per element (within one ulp of the quotient; the division is the most
+// expensive operation of these kernels).
+__device__ __forceinline__ float Reciprocal(float v) { return __frcp_rn(v); }
+__device__ __forceinline__ double Reciprocal(double v) { return __drcp_rn(v); }
 
 // ---------------------------------------------------------------------------
 // Forward.
@@ -97,13 +112,27 @@ __global__ void __launch_bounds__(kThreads)
     for (int b = 0; b < B; ++b)
 #pragma unroll
       for (int e = 0; e < V; ++e) acc[b][e] = Acc(0);
-    for (int64_t h = wh.start; h < wh.end; ++h) {
-      const T* row = x + (n * H + h) * W * C + c_off;
+    // The window's rows: a compile-time count for a specialisation (rows
+    // outside the input predicated off, so that every load can be in flight
+    // at once), the clipped rows for the generic kernel.
+    const int64_t h_first = S::kGeneric ? wh.start : oh * k.sh - a.pad_top;
+    const int64_t rows = S::kGeneric ? wh.end - wh.start : k.kh;
+#pragma unroll
+    for (int64_t dr = 0; dr < rows; ++dr) {
+      const int64_t h = h_first + dr;
+      const bool row_ok = h >= 0 && h < H;
+      const T* row = x + (n * H + (row_ok ? h : 0)) * W * C + c_off;
 #pragma unroll
       for (int64_t j = 0; j < ncol; ++j) {
         const int64_t c = c0 + j;
-        if (c < 0 || c >= W) continue;
-        const VecT v = *reinterpret_cast<const VecT*>(row + c * C);
+        const bool ok = row_ok && c >= 0 && c < W;
+        VecT v;
+        if (ok) {
+          v = *reinterpret_cast<const VecT*>(row + c * C);
+        } else {
+#pragma unroll
+          for (int e = 0; e < V; ++e) v.v[e] = T(0);
+        }
 #pragma unroll
         for (int b = 0; b < B; ++b) {
           const int64_t kk = j - b * k.sw;
@@ -119,10 +148,10 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t ow = ow0 + b;
       if (ow < OW) {
         const Window ww = WindowAt(ow, W, k.kw, k.sw, a.pad_left, a.pad_right);
-        const Acc d = static_cast<Acc>(Divisor(a, wh, ww));
+        const Acc r = Reciprocal(static_cast<Acc>(Divisor(a, wh, ww)));
         VecT out;
 #pragma unroll
-        for (int e = 0; e < V; ++e) out.v[e] = N::Store(acc[b][e] / d);
+        for (int e = 0; e < V; ++e) out.v[e] = N::Store(acc[b][e] * r);
         *reinterpret_cast<VecT*>(y + (row_id * OW + ow) * C + c_off) = out;
       }
     }
@@ -205,21 +234,52 @@ __global__ void __launch_bounds__(kThreads)
     for (int b = 0; b < B; ++b)
 #pragma unroll
       for (int e = 0; e < V; ++e) acc[b][e] = Acc(0);
-    for (int64_t oh = ch.first; oh <= ch.last; ++oh) {
-      const Window wh = WindowAt(oh, H, k.kh, k.sh, a.pad_top, a.pad_bottom);
-      const T* grow = dy + (n * OH + oh) * OW * C + c_off;
-      for (int64_t ow = ow_first; ow <= ow_last; ++ow) {
-        const Window ww = WindowAt(ow, W, k.kw, k.sw, a.pad_left, a.pad_right);
-        const Acc d = static_cast<Acc>(Divisor(a, wh, ww));
-        const VecT v = *reinterpret_cast<const VecT*>(grow + ow * C);
+    // How many dy rows and columns to visit: compile-time bounds for a
+    // specialisation (those past the cover predicated off, so that the loads
+    // need not wait for one another), the exact cover for the generic kernel.
+    constexpr int kRowsMax = S::kGeneric ? 1 : (S::KH - 1) / S::SH + 1;
+    constexpr int kColsMax =
+        S::kGeneric ? 1 : (S::BLOCK - 1 + S::KW - 1) / S::SW + 1;
+    const int64_t nrows = S::kGeneric ? ch.last - ch.first + 1 : kRowsMax;
+    const int64_t ncols = S::kGeneric ? ow_last - ow_first + 1 : kColsMax;
+    // 1 / divisor = (1 / row factor) * (1 / column factor), within two ulps.
+    const auto factor = [&](const Window& w) {
+      return a.divisor_mode == kCountPadded ? static_cast<Acc>(w.padded_count)
+             : a.divisor_mode == kCountReal ? static_cast<Acc>(w.end - w.start)
+                                            : Acc(1);
+    };
+#pragma unroll
+    for (int64_t t = 0; t < nrows; ++t) {
+      const int64_t oh = ch.first + t;
+      const bool row_ok = oh <= ch.last;
+      const Window wh = WindowAt(row_ok ? oh : ch.first, H, k.kh, k.sh,
+                                 a.pad_top, a.pad_bottom);
+      const Acc rh = Reciprocal(a.divisor_mode == kOverride
+                                    ? static_cast<Acc>(a.divisor_override)
+                                    : factor(wh));
+      const T* grow = dy + (n * OH + (row_ok ? oh : 0)) * OW * C + c_off;
+#pragma unroll
+      for (int64_t u = 0; u < ncols; ++u) {
+        const int64_t ow = ow_first + u;
+        const bool ok = row_ok && ow <= ow_last;
+        const Window ww = WindowAt(ok ? ow : ow_first, W, k.kw, k.sw,
+                                   a.pad_left, a.pad_right);
+        const Acc r = rh * Reciprocal(factor(ww));
+        VecT v;
+        if (ok) {
+          v = *reinterpret_cast<const VecT*>(grow + ow * C);
+        } else {
+#pragma unroll
+          for (int e = 0; e < V; ++e) v.v[e] = T(0);
+        }
         Acc g[V];
 #pragma unroll
-        for (int e = 0; e < V; ++e) g[e] = N::Load(v.v[e]) / d;
+        for (int e = 0; e < V; ++e) g[e] = N::Load(v.v[e]) * r;
         const int64_t start = ow * k.sw - a.pad_left;
 #pragma unroll
         for (int b = 0; b < B; ++b) {
           const int64_t w = w0 + b;
-          if (w >= start && w < start + k.kw) {
+          if (ok && w >= start && w < start + k.kw) {
 #pragma unroll
             for (int e = 0; e < V; ++e) acc[b][e] += g[e];
           }
@@ -236,6 +296,453 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
+}
+
+// ---------------------------------------------------------------------------
+// NCHW row kernels for the specialisations, when W is a multiple of the
+// chunk width. The lanes of a warp take consecutive chunks of the same rows:
+// a chunk is V = BLOCK * SW adjacent input columns, aligned, and the BLOCK
+// outputs whose windows start in it (offset by the left padding PL, a
+// compile-time constant here). Each lane loads its chunk of a row with
+// 16-byte accesses, so a warp reads whole contiguous row segments once, and
+// takes what its windows need of the neighbouring chunks from the
+// neighbouring lanes by warp shuffles. The first HL and last HR lanes of a
+// warp only load and share: their chunks are produced by the neighbouring
+// warps, so no lane ever waits on a second, divergent load. A work item
+// covers R output rows (forward) or R input rows (gather) so that the rows
+// that vertically overlapping windows share are loaded once; all of an
+// item's loads are issued before any is used.
+
+constexpr int FloorDiv(int n, int d) {
+  return n >= 0 ? n / d : -((-n + d - 1) / d);
+}
+constexpr int CeilDiv(int n, int d) { return -FloorDiv(-n, d); }
+
+__device__ __forceinline__ int FloorDivInt(int n, int d) {
+  return n >= 0 ? n / d : -((-n + d - 1) / d);
+}
+
+// Loads N adjacent elements from p (aligned to the access size) into out,
+// widened; zeros when !ok.
+template <typename T, int N>
+__device__ __forceinline__ void LoadRun(const T* p, bool ok,
+                                        typename Num<T>::Acc (&out)[N]) {
+  constexpr int kBytes = static_cast<int>(sizeof(T)) * N;
+  constexpr int kPiece = kBytes < 16 ? kBytes : 16;
+  constexpr int kPer = kPiece / static_cast<int>(sizeof(T));
+  static_assert(kPiece % sizeof(T) == 0 && N % kPer == 0);
+#pragma unroll
+  for (int q = 0; q < N / kPer; ++q) {
+    Vec<T, kPer> v;
+    if (ok) {
+      v = reinterpret_cast<const Vec<T, kPer>*>(p)[q];
+    } else {
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) v.v[e] = T(0);
+    }
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) out[q * kPer + e] = Num<T>::Load(v.v[e]);
+  }
+}
+
+// Stores N accumulated values as adjacent elements at p (aligned).
+template <typename T, int N, typename Acc>
+__device__ __forceinline__ void StoreAligned(T* p, const Acc (&in)[N]) {
+  constexpr int kBytes = static_cast<int>(sizeof(T)) * N;
+  constexpr int kPiece = kBytes < 16 ? kBytes : 16;
+  constexpr int kPer = kPiece / static_cast<int>(sizeof(T));
+#pragma unroll
+  for (int q = 0; q < N / kPer; ++q) {
+    Vec<T, kPer> v;
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) v.v[e] = Num<T>::Store(in[q * kPer + e]);
+    reinterpret_cast<Vec<T, kPer>*>(p)[q] = v;
+  }
+}
+
+// Stores each lane's N values at its own aligned `dst` when `ok`, as a warp.
+// When a lane's values span more than 16 bytes, a plain store would leave
+// every warp store instruction with gaps between the lanes' 16-byte pieces;
+// here the pieces go through the warp's `stage` in shared memory (32 * N
+// elements) so that each store instruction writes consecutive pieces.
+// Every lane of the warp must call it.
+template <typename T, int N, typename Acc>
+__device__ __forceinline__ void WarpStore(T* dst, bool ok, const Acc (&in)[N],
+                                          T* stage, int lane) {
+  constexpr int kBytes = static_cast<int>(sizeof(T)) * N;
+  if constexpr (kBytes <= 16) {
+    if (ok) StoreAligned<T, N>(dst, in);
+  } else {
+    constexpr int kPer = 16 / static_cast<int>(sizeof(T));  // per piece
+    constexpr int kPieces = N / kPer;                       // per lane
+    using Piece = Vec<T, kPer>;
+    Piece* pieces = reinterpret_cast<Piece*>(stage);
+#pragma unroll
+    for (int q = 0; q < kPieces; ++q) {
+      Piece v;
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) v.v[e] = Num<T>::Store(in[q * kPer + e]);
+      pieces[lane * kPieces + q] = v;
+    }
+    __syncwarp();
+#pragma unroll
+    for (int q = 0; q < kPieces; ++q) {
+      const int k = q * 32 + lane;  // piece k of the warp
+      const int src = k / kPieces;
+      T* to = reinterpret_cast<T*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(dst), src));
+      if (__shfl_sync(0xffffffffu, ok, src)) {
+        reinterpret_cast<Piece*>(to)[k % kPieces] = pieces[k];
+      }
+    }
+    __syncwarp();
+  }
+}
+
+// The lanes of a warp of a row kernel whose items reach HL chunks to the
+// left and HR to the right: item = first + lane - HL; the lanes in
+// [HL, 32 - HR) own their items, the others only share their loads.
+template <int HL, int HR>
+struct RowLanes {
+  static_assert(HL + HR < 16);
+  static constexpr int kPerWarp = 32 - HL - HR;
+  int lane;
+  __device__ __forceinline__ RowLanes() : lane(threadIdx.x % 32) {}
+  __device__ __forceinline__ bool Owns() const {
+    return lane >= HL && lane < 32 - HR;
+  }
+  __device__ __forceinline__ int64_t Item(int64_t warp) const {
+    return warp * kPerWarp + lane - HL;
+  }
+  static __device__ __forceinline__ int64_t Warps(int64_t items) {
+    return (items + kPerWarp - 1) / kPerWarp;
+  }
+};
+
+__device__ __forceinline__ int64_t FirstWarp() { return FirstThread() / 32; }
+__device__ __forceinline__ int64_t WarpCount() { return ThreadCount() / 32; }
+
+// What the lane D chunks to the right of this one (D < 0: to the left) holds
+// in `value`, when that chunk is in the same row (0 <= g + D < chunks), else
+// 0. Every lane of the warp must call it; lanes whose source lies outside the
+// warp get garbage, but they never own an item that uses it.
+template <int D, typename Acc>
+__device__ __forceinline__ Acc FromChunk(Acc value, int lane, int64_t g,
+                                         int64_t chunks) {
+  const Acc got = __shfl_sync(0xffffffffu, value, (lane + D) & 31);
+  return g + D >= 0 && g + D < chunks ? got : Acc(0);
+}
+
+// buf[slot] = element e of the lane D chunks away, for the halo entries of a
+// row buffer; D is a compile-time function of the unrolled loop index.
+template <typename Acc, int N>
+__device__ __forceinline__ Acc Halo(const Acc (&own)[N], int c, int lane,
+                                    int64_t g, int64_t chunks) {
+  const int d = FloorDiv(c, N), e = c - d * N;
+  if (d == -2) return FromChunk<-2>(own[e], lane, g, chunks);
+  if (d == -1) return FromChunk<-1>(own[e], lane, g, chunks);
+  if (d == 1) return FromChunk<1>(own[e], lane, g, chunks);
+  return FromChunk<2>(own[e], lane, g, chunks);
+}
+
+// A window's divisor, Divisor(a, wh, ww), is the product of two factors, one
+// per axis, which a row kernel computes once per output row and once per
+// output column. Both are small integers (or 1 and the override), so their
+// product is exact. The row kernels multiply by the correctly rounded
+// reciprocals of the two factors instead of dividing by their product: two
+// reciprocals per row and column instead of a division per element, within
+// two ulps of the quotient (the division is the single most expensive
+// operation of these kernels). `is_row` puts the override in the row
+// factor. 32-bit arithmetic: the row kernels only take extents and pads
+// below 2^30.
+
+template <typename Acc>
+__device__ __forceinline__ Acc AxisFactor(const PoolAttrs& a, int o, int in,
+                                          int k, int s, int lo, int hi,
+                                          bool is_row) {
+  if (a.divisor_mode == kOverride) {
+    return is_row ? static_cast<Acc>(a.divisor_override) : Acc(1);
+  }
+  const int begin = o * s - lo;
+  const int stop = min(begin + k, in + hi);
+  if (a.divisor_mode == kCountPadded) return static_cast<Acc>(stop - begin);
+  return static_cast<Acc>(max(min(stop, in) - max(begin, 0), 0));
+}
+
+// Forward: a work item is (plane p, block of R output rows, chunk g). Per
+// output row it sums the KH window rows of each of its columns, takes the
+// column sums of the neighbouring chunks it needs, and sums KW of them per
+// output.
+template <typename T, typename S, int PL, int R>
+__global__ void __launch_bounds__(kThreads)
+    ForwardNchwRows(const PoolAttrs a, const PoolShape s,
+                    const T* __restrict__ x, T* __restrict__ y,
+                    const int64_t chunks, const int64_t total) {
+  using N = Num<T>;
+  using Acc = typename N::Acc;
+  constexpr int KH = S::KH, KW = S::KW, SH = S::SH, SW = S::SW, B = S::BLOCK;
+  constexpr int V = B * SW;
+  constexpr int LH = PL;                                   // halo columns
+  constexpr int RH = KW - SW - PL > 0 ? KW - SW - PL : 0;  // left, right
+  constexpr int NR = (R - 1) * SH + KH;  // input rows per item
+  using Lanes = RowLanes<CeilDiv(LH, V), CeilDiv(RH, V)>;
+  const int H = static_cast<int>(s.in_h), W = static_cast<int>(s.in_w);
+  const int OH = static_cast<int>(s.out_h), OW = static_cast<int>(s.out_w);
+  const int64_t row_blocks = (OH + R - 1) / R;
+  const Lanes lanes;
+  const int lane = lanes.lane;
+  const bool narrow = total + 32 <= INT32_MAX;
+  const bool whole_vectors = CanStoreRuns<T, B>(y, OW);
+  const int64_t warps = Lanes::Warps(total);
+  for (int64_t warp = FirstWarp(); warp < warps; warp += WarpCount()) {
+    const int64_t i = lanes.Item(warp);
+    const bool active = i >= 0 && i < total;
+    const Split3 at = Decompose(active ? i : 0, row_blocks, chunks, narrow);
+    const int64_t p = at.outer;
+    const int oh0 = static_cast<int>(at.mid) * R,
+              g = static_cast<int>(at.inner);
+    const int top = oh0 * SH - static_cast<int>(a.pad_top), col0 = g * V;
+    Acc own[NR][V];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      const int h = top + r;
+      const bool ok = active && h >= 0 && h < H && col0 < W;
+      LoadRun<T, V>(x + (p * H + (ok ? h : 0)) * W + (ok ? col0 : 0), ok,
+                    own[r]);
+    }
+    Acc acc[R][B];
+#pragma unroll
+    for (int o = 0; o < R; ++o) {
+      Acc cs[V];  // column sums over the window rows of output row o
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        cs[j] = own[o * SH][j];
+#pragma unroll
+        for (int k = 1; k < KH; ++k) cs[j] += own[o * SH + k][j];
+      }
+      Acc buf[LH + V + RH];  // columns [col0 - LH, col0 + V + RH)
+#pragma unroll
+      for (int j = 0; j < LH; ++j) buf[j] = Halo(cs, j - LH, lane, g, chunks);
+#pragma unroll
+      for (int j = 0; j < V; ++j) buf[LH + j] = cs[j];
+#pragma unroll
+      for (int j = 0; j < RH; ++j)
+        buf[LH + V + j] = Halo(cs, V + j, lane, g, chunks);
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        acc[o][b] = buf[b * SW];
+#pragma unroll
+        for (int k = 1; k < KW; ++k) acc[o][b] += buf[b * SW + k];
+      }
+    }
+    if (!active || !lanes.Owns() || g * B >= OW) continue;
+    Acc wf[B];
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      wf[b] = Reciprocal(AxisFactor<Acc>(a, g * B + b, W, KW, SW, PL,
+                                         static_cast<int>(a.pad_right), false));
+    }
+#pragma unroll
+    for (int o = 0; o < R; ++o) {
+      const int oh = oh0 + o;
+      if (oh >= OH) break;
+      const Acc hf = Reciprocal(
+          AxisFactor<Acc>(a, oh, H, KH, SH, static_cast<int>(a.pad_top),
+                          static_cast<int>(a.pad_bottom), true));
+      Acc out[B];
+#pragma unroll
+      for (int b = 0; b < B; ++b) out[b] = acc[o][b] * (hf * wf[b]);
+      StoreRun<T, B>(y + (p * OH + oh) * OW + g * B, out, OW - g * B,
+                     whole_vectors);
+    }
+  }
+}
+
+// Gather backward: a work item is (plane p, block of R input rows, chunk g),
+// R a multiple of SH. It reads the BLOCK dy elements of chunk g in each dy
+// row over the block and divides them by their divisors; per input row it
+// sums the quotients of the dy rows whose windows cover it, takes the sums
+// of the neighbouring chunks whose windows reach into chunk g, and sums
+// those covering each column. The first dy row of a block is
+// ceil((h0 + pad_top - KH + 1) / SH); as h0 is a multiple of SH, its window
+// starts C0 = KH - 1 - E rows above h0 for a constant E in [0, SH): a
+// template parameter, so which dy rows cover which dx rows is known at
+// compile time.
+template <typename T, typename S, int PL, int E, int R>
+__global__ void __launch_bounds__(kThreads)
+    GatherNchwRows(const PoolAttrs a, const PoolShape s,
+                   const T* __restrict__ dy, T* __restrict__ dx,
+                   const int64_t chunks, const int64_t total) {
+  using N = Num<T>;
+  using Acc = typename N::Acc;
+  constexpr int KH = S::KH, KW = S::KW, SH = S::SH, SW = S::SW, B = S::BLOCK;
+  constexpr int V = B * SW;
+  static_assert(R % SH == 0 && E >= 0 && E < SH);
+  // Outputs b (relative to the chunk's first, g * B) whose windows reach
+  // columns [0, V) of the chunk: [BMIN, BMAX].
+  constexpr int BMIN = CeilDiv(PL - KW + 1, SW);
+  constexpr int BMAX = FloorDiv(V - 1 + PL, SW);
+  constexpr int LO = -BMIN, RO = BMAX - (B - 1);
+  static_assert(LO >= 0 && RO >= 0);
+  constexpr int C0 = KH - 1 - E;  // h0 - (window start of dy row t = 0)
+  constexpr int NOH = (R - 1 + C0) / SH + 1;  // dy rows over the block
+  using Lanes = RowLanes<CeilDiv(LO, B), CeilDiv(RO, B)>;
+  const int H = static_cast<int>(s.in_h), W = static_cast<int>(s.in_w);
+  const int OH = static_cast<int>(s.out_h), OW = static_cast<int>(s.out_w);
+  const int64_t row_blocks = (H + R - 1) / R;
+  const Lanes lanes;
+  const int lane = lanes.lane;
+  const bool narrow = total + 32 <= INT32_MAX;
+  const bool whole_vectors = CanStoreRuns<T, B>(dy, OW);
+  // Per warp, the staging area of WarpStore (unused for 16 bytes or less).
+  constexpr int kStage = sizeof(T) * V > 16 ? 32 * V : 1;
+  __shared__ __align__(16) T stage[kThreads / 32][kStage];
+  const int64_t warps = Lanes::Warps(total);
+  for (int64_t warp = FirstWarp(); warp < warps; warp += WarpCount()) {
+    const int64_t i = lanes.Item(warp);
+    const bool active = i >= 0 && i < total;
+    const Split3 at = Decompose(active ? i : 0, row_blocks, chunks, narrow);
+    const int64_t p = at.outer;
+    const int h0 = static_cast<int>(at.mid) * R, g = static_cast<int>(at.inner);
+    const int ow0 = g * B;
+    const int oh_lo = FloorDivInt(h0 + static_cast<int>(a.pad_top) - C0, SH);
+    Acc q[NOH][B];  // dy / divisor
+#pragma unroll
+    for (int t = 0; t < NOH; ++t) {
+      const int oh = oh_lo + t;
+      const bool ok = active && oh >= 0 && oh < OH && ow0 < OW;
+      const T* grow = dy + (p * OH + (ok ? oh : 0)) * OW + (ok ? ow0 : 0);
+      if (whole_vectors) {
+        LoadRun<T, B>(grow, ok, q[t]);
+      } else {
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+          q[t][b] = ok && ow0 + b < OW ? N::Load(grow[b]) : Acc(0);
+        }
+      }
+    }
+    Acc wf[B];
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      wf[b] = Reciprocal(AxisFactor<Acc>(a, ow0 + b, W, KW, SW, PL,
+                                         static_cast<int>(a.pad_right), false));
+    }
+#pragma unroll
+    for (int t = 0; t < NOH; ++t) {
+      const int oh = oh_lo + t;
+      const bool ok = active && oh >= 0 && oh < OH;
+      const Acc hf = Reciprocal(AxisFactor<Acc>(
+          a, ok ? oh : 0, H, KH, SH, static_cast<int>(a.pad_top),
+          static_cast<int>(a.pad_bottom), true));
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        q[t][b] = ok && ow0 + b < OW ? q[t][b] * (hf * wf[b]) : Acc(0);
+      }
+    }
+    const bool store = active && lanes.Owns() && g * V < W;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      Acc vs[B];  // sums over the dy rows whose windows cover row h0 + r
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        vs[b] = Acc(0);
+#pragma unroll
+        for (int t = 0; t < NOH; ++t) {
+          const int k = r + C0 - t * SH;  // row h0 + r in window t
+          if (k >= 0 && k < KH) vs[b] += q[t][b];
+        }
+      }
+      Acc buf[LO + B + RO];  // for outputs [ow0 - LO, ow0 + B + RO)
+#pragma unroll
+      for (int j = 0; j < LO; ++j) buf[j] = Halo(vs, j - LO, lane, g, chunks);
+#pragma unroll
+      for (int b = 0; b < B; ++b) buf[LO + b] = vs[b];
+#pragma unroll
+      for (int j = 0; j < RO; ++j)
+        buf[LO + B + j] = Halo(vs, B + j, lane, g, chunks);
+      Acc out[V];
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        out[j] = Acc(0);
+#pragma unroll
+        for (int b = BMIN; b <= BMAX; ++b) {
+          const int k = j + PL - b * SW;  // column j in window b
+          if (k >= 0 && k < KW) out[j] += buf[LO + b];
+        }
+      }
+      const bool ok = store && h0 + r < H;
+      WarpStore<T, V>(dx + (ok ? (p * H + h0 + r) * W + g * V : 0), ok, out,
+                      stage[threadIdx.x / 32], lane);
+    }
+  }
+}
+
+// Rows per work item of the row kernels: enough to share the rows that
+// vertically overlapping windows have in common.
+template <typename S>
+constexpr int kRowsPerItem = S::SH == 1 ? 4 : 2;
+template <typename S>
+constexpr int kGatherRowsPerItem = 4;
+
+// Calls fn(std::integral_constant<int, e>) with the E of GatherNchwRows:
+// (-(pad_top - KH + 1)) mod SH.
+template <typename S, typename Fn>
+cudaError_t WithRowPhase(int64_t pad_top, Fn&& fn) {
+  const int64_t e = ((S::KH - 1 - pad_top) % S::SH + S::SH) % S::SH;
+  if constexpr (S::SH == 2) {
+    if (e == 1) return fn(std::integral_constant<int, 1>{});
+  }
+  return fn(std::integral_constant<int, 0>{});
+}
+
+// Calls fn(std::integral_constant<int, pl>) for pl = pad_left in [0, MAX].
+template <int MAX, typename Fn>
+cudaError_t WithPadLeft(int64_t pad_left, Fn&& fn) {
+  if constexpr (MAX < 0) {
+    return cudaErrorInvalidValue;
+  } else {
+    if (pad_left == MAX) return fn(std::integral_constant<int, MAX>{});
+    return WithPadLeft<MAX - 1>(pad_left, fn);
+  }
+}
+
+// Launches a row kernel over `items`: 32 threads per 28 items or more (the
+// edge lanes of a warp share but do not own items), capped.
+template <typename... KArgs, typename... Args>
+cudaError_t LaunchRows(void (*kernel)(KArgs...), cudaStream_t stream,
+                       int64_t items, Args... args) {
+  if (items == 0) return cudaSuccess;
+  const int64_t threads = Groups(items, 28) * 32;
+  const int64_t blocks = std::min<int64_t>(Groups(threads, kThreads), 1 << 20);
+  kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(args...,
+                                                                 items);
+  return cudaGetLastError();
+}
+
+// Whether the NCHW row kernels take a call of specialisation S: W a multiple
+// of the chunk width, 16-byte aligned buffers, and pad_left <= KW / 2 (every
+// PyTorch padding; flax's SAME).
+template <typename T, typename S>
+bool RowKernelsFit(const PoolAttrs& a, const PoolShape& s, const void* in,
+                   const void* out) {
+  if constexpr (S::kGeneric) {
+    return false;
+  } else {
+    const auto aligned = [](const void* p) {
+      return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+    };
+    constexpr int64_t kSmall = int64_t{1} << 30;  // 32-bit index math
+    return a.layout == kNCHW && s.in_w % (S::BLOCK * S::SW) == 0 &&
+           a.pad_left <= S::KW / 2 && aligned(in) && aligned(out) &&
+           s.in_h < kSmall && s.in_w < kSmall && a.pad_top < kSmall &&
+           a.pad_bottom < kSmall && a.pad_right < kSmall;
+  }
+}
+
+// Chunks per row: enough for every output and every input column.
+template <typename S>
+int64_t RowChunks(const PoolShape& s) {
+  return std::max(Groups(s.out_w, S::BLOCK), s.in_w / (S::BLOCK * S::SW));
 }
 
 // ---------------------------------------------------------------------------
@@ -359,6 +866,18 @@ cudaError_t LaunchForward(cudaStream_t stream, DType dtype, const PoolAttrs& a,
       using S = decltype(spec);
       const int64_t rows = s.batch * s.out_h,
                     groups = Groups(s.out_w, S::BLOCK);
+      if (RowKernelsFit<T, S>(a, s, x, y)) {
+        if constexpr (!S::kGeneric) {
+          constexpr int R = kRowsPerItem<S>;
+          const int64_t chunks = RowChunks<S>(s);
+          const int64_t items =
+              s.batch * s.channels * Groups(s.out_h, R) * chunks;
+          return WithPadLeft<S::KW / 2>(a.pad_left, [&](auto pl) {
+            return LaunchRows(ForwardNchwRows<T, S, decltype(pl)::value, R>,
+                              stream, items, a, s, in, out, chunks);
+          });
+        }
+      }
       if (a.layout == kNCHW) {
         return Launch(ForwardNchw<T, S>, stream, rows * s.channels * groups, a,
                       s, in, out);
@@ -383,6 +902,21 @@ cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
     return WithSpec(a, [&](auto spec) {
       using S = decltype(spec);
       const int64_t rows = s.batch * s.in_h, groups = Groups(s.in_w, S::BLOCK);
+      if (RowKernelsFit<T, S>(a, s, dy, dx)) {
+        if constexpr (!S::kGeneric) {
+          constexpr int R = kGatherRowsPerItem<S>;
+          const int64_t chunks = RowChunks<S>(s);
+          const int64_t items =
+              s.batch * s.channels * Groups(s.in_h, R) * chunks;
+          return WithPadLeft<S::KW / 2>(a.pad_left, [&](auto pl) {
+            return WithRowPhase<S>(a.pad_top, [&](auto e) {
+              return LaunchRows(GatherNchwRows<T, S, decltype(pl)::value,
+                                               decltype(e)::value, R>,
+                                stream, items, a, s, in, out, chunks);
+            });
+          });
+        }
+      }
       if (a.layout == kNCHW) {
         using Acc = typename Num<T>::Acc;
         const int64_t kh = RuntimeKh<S>(a), sh = RuntimeSh<S>(a);

@@ -13,9 +13,10 @@
 namespace jax_avgpool {
 
 // Compile-time constants of one kernel: window KH x KW, strides SH, SW, and
-// BLOCK adjacent outputs (or, for the gather backward, inputs) along W per
-// thread. KH == 0 marks the generic kernel, whose window and strides are
-// runtime values.
+// BLOCK adjacent outputs along W per thread (for the gather backward: the
+// inputs under BLOCK adjacent outputs in the NCHW row kernels, BLOCK
+// adjacent inputs elsewhere). KH == 0 marks the generic kernel, whose window
+// and strides are runtime values.
 template <int KH_, int KW_, int SH_, int SW_, int BLOCK_>
 struct Spec {
   static constexpr int KH = KH_;

@@ -130,3 +130,45 @@ def test_vmap_and_check_grads_on_gpu(gpu: jax.Device, rng: np.random.Generator) 
     xs = jax.device_put(jnp.asarray(np.moveaxis(stacked, 0, 2)), gpu)
     assert_close(jax.vmap(f, in_axes=2)(xs), case.oracle_forward(stacked), F64)
     check_grads(f, (xs[:, :, 0],), order=2, modes=("fwd", "rev"))
+
+
+def _specialised_cases() -> list:
+    """Every specialised window at every left padding up to k // 2, in rows wide
+    enough to span several warps of 16-byte chunks and short enough to leave
+    ragged row blocks, under each divisor rule."""
+    params = []
+    for k, s in ((2, 2), (3, 1), (3, 2), (7, 1)):
+        for pad in range(k // 2 + 1):
+            for i, (shape, extra) in enumerate(
+                (
+                    ((2, 3, 13, 8 * 37), {}),
+                    ((3, 2, 11, 16), {"ceil_mode": True, "count_include_pad": False}),
+                    ((1, 4, 9, 24), {"divisor_override": 5}),
+                )
+            ):
+                for layout in ("NCHW", "NHWC"):
+                    dtype = DTYPES[(k + pad + i) % 4]
+                    case = TorchCase(shape, k, s, pad, layout=layout, **extra)
+                    params.append(pytest.param(case, dtype, id=f"{case}-{dtype_name(dtype)}"))
+    return params
+
+
+@pytest.mark.parametrize(("case", "dtype"), _specialised_cases())
+def test_specialised_kernels_on_gpu_match_oracle(
+    case: TorchCase, dtype: np.dtype, gpu: jax.Device, rng: np.random.Generator
+) -> None:
+    """The compile-time kernels (row-chunked in NCHW when W allows) against the oracle."""
+    x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
+
+    def run(x, g):
+        y, pull_gather = jax.vjp(functools.partial(avg_pool2d, **case.kwargs("gather")), x)
+        _, pull_scatter = jax.vjp(functools.partial(avg_pool2d, **case.kwargs("scatter")), x)
+        return y, pull_gather(g)[0], pull_scatter(g)[0]
+
+    with dtype_mode(dtype):
+        y, dx_gather, dx_scatter = jax.jit(run)(*_on(gpu, x, g))
+        again = jax.jit(run)(*_on(gpu, x, g))[1]
+    assert_close(y, case.oracle_forward(x), dtype, "forward")
+    assert_close(dx_gather, case.oracle_vjp(g), dtype, "gather gradient")
+    assert_close(dx_scatter, case.oracle_vjp(g), dtype, "scatter gradient")
+    np.testing.assert_array_equal(np.asarray(dx_gather), np.asarray(again))
