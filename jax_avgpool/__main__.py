@@ -107,16 +107,47 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _devices(text: str) -> str:
+    """argparse type: ``all`` or an int >= 1."""
+    if text == "all":
+        return text
+    return str(_positive_int(text))
+
+
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=_positive_int, default=10, help="default: 10")
-    parser.add_argument("--batch-size", type=_positive_int, default=64, help="default: 64")
+    parser.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=64,
+        help="global batch (default: 64); with --devices N, rounded down to a multiple of N",
+    )
     parser.add_argument("--seed", type=int, default=0, help="data split and init (default: 0)")
-    parser.add_argument("--layout", choices=("NCHW", "NHWC"), default="NHWC", help="default: NHWC")
+    parser.add_argument(
+        "--layout",
+        choices=("NCHW", "NHWC"),
+        default=None,
+        help="default: NHWC; with --devices, both one after the other",
+    )
     parser.add_argument(
         "--no-compare",
         dest="compare",
         action="store_false",
         help="skip the timing against jax.lax.reduce_window",
+    )
+    parser.add_argument(
+        "--devices",
+        type=_devices,
+        metavar="N",
+        help="instead of training: run the training step data parallel on N local devices "
+        "(or 'all'), batch sharded and parameters replicated, and on one device; check that "
+        "losses and parameters agree (exit status 1 if not) and time both",
+    )
+    parser.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=20,
+        help="with --devices: steps run, compared and timed on each side (default: 20)",
     )
 
 

@@ -4,12 +4,18 @@ Plain JAX (hand-written Adam, no flax/optax). The network pools twice with
 :func:`jax_avgpool.avg_pool2d`; the same network with pooling written as
 ``jax.lax.reduce_window`` (sum / window size) is the reference it is timed
 and checked against.
+
+``demo --devices N`` trains nothing: it runs the same jitted training step
+data parallel (batch sharded over a 1-D mesh of N local devices, parameters
+replicated) and on one device, from the same parameters and batches, checks
+that losses and parameters agree, and times both (:func:`run_data_parallel`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import statistics
 import sys
 import time
@@ -20,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ._api import avg_pool2d
 
@@ -190,7 +197,13 @@ def _compare(params: Params, state: AdamState, batches: list[Batch], pools: list
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train, print a line per epoch, then (unless ``--no-compare``) compare with reduce_window."""
+    """Train, print a line per epoch, then (unless ``--no-compare``) compare with reduce_window.
+
+    With ``--devices``, run :func:`run_data_parallel` instead.
+    """
+    if getattr(args, "devices", None) is not None:
+        return run_data_parallel(args)
+    args.layout = args.layout or "NHWC"
     (train, test) = load_data(args.seed, args.layout)
     if args.batch_size > len(train[0]):
         sys.exit(f"--batch-size must be at most the {len(train[0])} training images")
@@ -226,3 +239,161 @@ def run(args: argparse.Namespace) -> int:
         reference = Pool("reduce_window", args.layout, _reduce_window_pool)
         _compare(params, state, batches, [pool, reference])
     return 0
+
+
+# ---------------------------------------------------------------------------
+# Data parallel: the same step on N devices and on one.
+
+COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+# float32 sums in another order, through one Adam step: far below this.
+TOLERANCE = 1e-4
+
+
+def collectives(compiled_text: str) -> dict[str, int]:
+    """How many of each collective op a compiled HLO module holds (async pairs once)."""
+    counts = {}
+    for name in COLLECTIVES:
+        n = len(re.findall(rf"\s{name}(?:-start)?\(", compiled_text))
+        if n:
+            counts[name] = n
+    return counts
+
+
+def _device_count(args: argparse.Namespace) -> int:
+    available = jax.local_device_count()
+    n = available if args.devices == "all" else int(args.devices)
+    if n > available:
+        hint = ""
+        if jax.default_backend() == "cpu":
+            hint = (
+                "; on the CPU, start with XLA_FLAGS=--xla_force_host_platform_device_count="
+                f"{n} to split it into {n} devices"
+            )
+        sys.exit(f"--devices {n}: only {available} local {jax.default_backend()} device(s){hint}")
+    return n
+
+
+def _max_diff(a: Any, b: Any) -> float:
+    """Largest absolute difference between two pytrees of arrays."""
+    pairs = zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True)
+    return max(float(np.max(np.abs(np.asarray(u) - np.asarray(v)))) for u, v in pairs)
+
+
+def compare_data_parallel(
+    layout: str, n: int, batch_size: int, steps: int, seed: int, warmup: int = 2
+) -> dict[str, Any]:
+    """``steps`` training steps on 1 device and data parallel on ``n``, compared step by step.
+
+    The one-device steps run in a chain. Each ``n``-device step starts from
+    the parameters and optimizer state that its one-device counterpart
+    started from, on the same batch, so that the two are compared on equal
+    inputs: free-running chains drift apart once rounding flips a ReLU,
+    however correct both are. Every step is timed on its own (inputs on the
+    devices, results waited for), after ``warmup`` untimed steps.
+
+    Returns the median step times, the largest loss and parameter
+    differences, the last losses, and the collectives of the compiled
+    ``n``-device step.
+    """
+    if batch_size % n:
+        raise ValueError(f"the global batch {batch_size} must be divisible by {n} devices")
+    devices = jax.local_devices()[:n]
+    mesh = Mesh(np.array(devices), ("data",), axis_types=(AxisType.Auto,))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    sharded = NamedSharding(mesh, PartitionSpec("data"))
+    one_device = jax.sharding.SingleDeviceSharding(devices[0])
+
+    (train, _) = load_data(seed, layout)
+    order = np.random.default_rng(seed).permutation(len(train[0]))
+    picks = [order[(i * batch_size + np.arange(batch_size)) % len(order)] for i in range(steps)]
+    batches = [(train[0][i], train[1][i]) for i in picks]
+    params = jax.device_get(init_params(jax.random.key(seed)))
+    zeros = {k: np.zeros_like(v) for k, v in params.items()}
+    state = AdamState(np.zeros((), np.int32), zeros, zeros)  # adam_init's, on the host
+    step = make_train_step(Pool("jax_avgpool", layout, _ffi_pool))
+
+    # Full float32 matmuls and convolutions (not TF32 on GPUs) on both sides:
+    # what is compared is the sharding, not the algorithms picked per batch size.
+    with jax.default_matmul_precision("highest"):
+        p, s = jax.device_put((params, state), one_device)
+        one_batches = [jax.device_put(b, one_device) for b in batches]
+        for _ in range(warmup):  # chained, as the timed steps are
+            (p, s, _, _), _ = _timed(step, p, s, *one_batches[0])
+        p, s = jax.device_put((params, state), one_device)
+        inputs, one, one_times = [], [], []
+        for x, y in one_batches:
+            inputs.append((p, s))
+            (p, s, loss, _), t = _timed(step, p, s, x, y)
+            one.append((float(loss), p))
+            one_times.append(t)
+
+        many_batches = [jax.device_put(b, sharded) for b in batches]
+        for _ in range(warmup):
+            _timed(step, *jax.device_put(inputs[0], replicated), *many_batches[0])
+        dl = dp = 0.0
+        many_times = []
+        for (p, s), (x, y), (loss_1, p_1) in zip(inputs, many_batches, one, strict=True):
+            (p, s, loss, _), t = _timed(step, *jax.device_put((p, s), replicated), x, y)
+            many_times.append(t)
+            dl = max(dl, abs(float(loss) - loss_1))
+            dp = max(dp, _max_diff(p, p_1))
+        text = step.lower(*jax.device_put(inputs[0], replicated), *many_batches[0])
+        text = text.compile().as_text()
+
+    return dict(
+        layout=layout,
+        devices=n,
+        batch_size=batch_size,
+        steps=steps,
+        step_ms_1=1e3 * statistics.median(one_times),
+        step_ms_n=1e3 * statistics.median(many_times),
+        loss_1=one[-1][0],
+        loss_n=float(loss),
+        max_loss_diff=dl,
+        max_param_diff=dp,
+        params_sharding=str(jax.tree_util.tree_leaves(p)[0].sharding.spec),
+        collectives=collectives(text),
+        agree=bool(dl <= TOLERANCE and dp <= TOLERANCE),
+    )
+
+
+def run_data_parallel(args: argparse.Namespace) -> int:
+    """``demo --devices N``: 1 vs N devices per layout; exit status 1 if they disagree."""
+    n = _device_count(args)
+    batch = args.batch_size
+    if batch % n:
+        batch = max(n, batch - batch % n)
+        print(
+            f"note: --batch-size {args.batch_size} is not divisible by {n} devices: using {batch}"
+        )
+    layouts = [args.layout] if args.layout else ["NCHW", "NHWC"]
+    kind = jax.local_devices()[0].device_kind
+    print(
+        f"data parallel: 1 vs {n} of {jax.local_device_count()} local device(s) ({kind}), "
+        f"global batch {batch} ({batch // n} per device), {args.steps} steps, seed {args.seed}"
+    )
+    print(
+        f"parameters replicated, batch sharded over a 1-D mesh; float32 matmul precision "
+        f"'highest'; tolerance {TOLERANCE:.0e}\n"
+    )
+    ok = True
+    for layout in layouts:
+        r = compare_data_parallel(layout, n, batch, args.steps, args.seed)
+        ok &= r["agree"]
+        seen = ", ".join(f"{k} x{v}" for k, v in r["collectives"].items()) or "none"
+        gathered = "all-gather" in r["collectives"]
+        print(f"{layout}:")
+        print(
+            f"  median step: 1 device {r['step_ms_1']:.3f} ms, {n} devices "
+            f"{r['step_ms_n']:.3f} ms (speed-up {r['step_ms_1'] / r['step_ms_n']:.2f} x)"
+        )
+        print(
+            f"  last loss:   {r['loss_1']:.7f} vs {r['loss_n']:.7f}; max |diff| over "
+            f"{r['steps']} steps (each from the same inputs): loss {r['max_loss_diff']:.1e}, "
+            f"params {r['max_param_diff']:.1e} -> {'agree' if r['agree'] else 'DISAGREE'}"
+        )
+        print(
+            f"  collectives in the {n}-device step: {seen}"
+            + (" (activations gathered: unexpected)" if gathered else " (no all-gather)")
+        )
+    return 0 if ok else 1
