@@ -57,10 +57,18 @@ DTYPES: dict[str, Any] = {
 }
 LAYOUTS = ("NCHW", "NHWC")
 
-# Cases as ``parse_case`` reads them: the shape is the array's, in its layout.
+
+def _in_layout(nchw: str, layout: str) -> str:
+    """An ``NxCxHxW`` shape written in ``layout``'s axis order."""
+    n, c, h, w = nchw.split("x")
+    return nchw if layout == "NCHW" else "x".join((n, h, w, c))
+
+
+# Cases as ``parse_case`` reads them: the shape is the array's, in its layout,
+# so each tensor below is the same (N, C, H, W) in both layouts.
 GPU_CASES = tuple(
-    f"{shape}:{window}:{dtype}:{layout}"
-    for shape, window, dtypes in (
+    f"{_in_layout(nchw, layout)}:{window}:{dtype}:{layout}"
+    for nchw, window, dtypes in (
         ("128x256x56x56", "k3s2", ("f32", "bf16")),
         ("128x256x56x56", "k2s2", ("f32", "bf16")),
         ("32x64x224x224", "k3s1", ("f32",)),

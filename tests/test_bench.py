@@ -37,6 +37,16 @@ def test_parse_case() -> None:
             bench.check_case(bench.parse_case(text))
 
 
+def test_gpu_cases_pool_the_same_tensor_in_both_layouts() -> None:
+    """Each NHWC default case is its NCHW twin's tensor in channels-last order."""
+    cases = [bench.parse_case(text) for text in bench.GPU_CASES]
+    nchw = {(c.kernel, c.stride, c.dtype): c.shape for c in cases if c.layout == "NCHW"}
+    nhwc = {(c.kernel, c.stride, c.dtype): c.shape for c in cases if c.layout == "NHWC"}
+    assert nchw.keys() == nhwc.keys() and len(nchw) == len(cases) // 2
+    for key, (n, c, h, w) in nchw.items():
+        assert nhwc[key] == (n, h, w, c), key
+
+
 @pytest.mark.parametrize(
     "text",
     ["8x16x32", "8x16x32x32", "8x16x32x32:3s2", "8x16x32x32:k3:f8", "8x16x32x32:k3:f32:NWCH"],
