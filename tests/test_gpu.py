@@ -47,6 +47,23 @@ def test_cuda_handlers_built() -> None:
     assert info["cuda"] is True and "cuda" in info["platforms"], info
 
 
+@functools.cache
+def _forward_and_gradients_of(case: TorchCase):
+    """Jitted ``(x, g) -> (y, gather dx, scatter dx)`` for ``case``."""
+
+    def run(x, g):
+        y, pull_gather = jax.vjp(functools.partial(avg_pool2d, **case.kwargs("gather")), x)
+        _, pull_scatter = jax.vjp(functools.partial(avg_pool2d, **case.kwargs("scatter")), x)
+        return y, pull_gather(g)[0], pull_scatter(g)[0]
+
+    return jax.jit(run)
+
+
+def _forward_and_gradients(case: TorchCase, x: jax.Array, g: jax.Array) -> tuple:
+    """The forward and the gather and scatter gradients for cotangent g."""
+    return _forward_and_gradients_of(case)(x, g)
+
+
 GPU_TORCH_PARAMS = [
     pytest.param(case, DTYPES[i % 4], id=f"{i}-{case}-{dtype_name(DTYPES[i % 4])}")
     for i, case in enumerate(TORCH_CASES[::3])
@@ -60,13 +77,8 @@ def test_avg_pool2d_on_gpu_matches_oracle(
     """Forward and both gradient strategies, computed on the GPU, equal the oracle."""
     x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
 
-    def run(x, g):
-        y, pull_gather = jax.vjp(functools.partial(avg_pool2d, **case.kwargs("gather")), x)
-        _, pull_scatter = jax.vjp(functools.partial(avg_pool2d, **case.kwargs("scatter")), x)
-        return y, pull_gather(g)[0], pull_scatter(g)[0]
-
     with dtype_mode(dtype):
-        y, dx_gather, dx_scatter = jax.jit(run)(*_on(gpu, x, g))
+        y, dx_gather, dx_scatter = _forward_and_gradients(case, *_on(gpu, x, g))
     assert y.devices() == {gpu} and dx_gather.devices() == {gpu}
     assert y.dtype == dx_gather.dtype == dx_scatter.dtype == dtype
     assert_close(y, case.oracle_forward(x), dtype, "forward")
@@ -160,14 +172,9 @@ def test_specialised_kernels_on_gpu_match_oracle(
     """The compile-time kernels (row-chunked in NCHW when W allows) against the oracle."""
     x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
 
-    def run(x, g):
-        y, pull_gather = jax.vjp(functools.partial(avg_pool2d, **case.kwargs("gather")), x)
-        _, pull_scatter = jax.vjp(functools.partial(avg_pool2d, **case.kwargs("scatter")), x)
-        return y, pull_gather(g)[0], pull_scatter(g)[0]
-
     with dtype_mode(dtype):
-        y, dx_gather, dx_scatter = jax.jit(run)(*_on(gpu, x, g))
-        again = jax.jit(run)(*_on(gpu, x, g))[1]
+        y, dx_gather, dx_scatter = _forward_and_gradients(case, *_on(gpu, x, g))
+        again = _forward_and_gradients(case, *_on(gpu, x, g))[1]
     assert_close(y, case.oracle_forward(x), dtype, "forward")
     assert_close(dx_gather, case.oracle_vjp(g), dtype, "gather gradient")
     assert_close(dx_scatter, case.oracle_vjp(g), dtype, "scatter gradient")
