@@ -158,6 +158,84 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// NHWC, specialisations: the same work items, summed column by column: each
+// of the (BLOCK - 1) * SW + KW input columns under the outputs is summed over
+// the KH window rows once, then added to the outputs whose windows hold it
+// (known at compile time), instead of adding every element to each output.
+// All KH x columns loads are independent, rows and columns outside the input
+// predicated off.
+template <typename T, typename S, int V>
+__global__ void __launch_bounds__(kThreads)
+    ForwardNhwcColumns(const PoolAttrs a, const PoolShape s,
+                       const T* __restrict__ x, T* __restrict__ y,
+                       const int64_t total) {
+  using N = Num<T>;
+  using Acc = typename N::Acc;
+  using VecT = Vec<T, V>;
+  constexpr int KH = S::KH, KW = S::KW, SH = S::SH, SW = S::SW, B = S::BLOCK;
+  constexpr int NCOL = (B - 1) * SW + KW;
+  const int64_t H = s.in_h, W = s.in_w, OH = s.out_h, OW = s.out_w;
+  const int64_t C = s.channels, CV = C / V;
+  const int64_t groups = (OW + B - 1) / B;
+  const bool narrow = total <= INT32_MAX;
+  for (int64_t i = FirstThread(); i < total; i += ThreadCount()) {
+    const Split3 at = Decompose(i, groups, CV, narrow);
+    const int64_t row_id = at.outer;  // n * OH + oh
+    const Split2 n_oh = DivMod(row_id, OH, narrow);
+    const int64_t n = n_oh.quot, oh = n_oh.rem;
+    const int64_t ow0 = at.mid * B, c_off = at.inner * V;
+    const int64_t top = oh * SH - a.pad_top, c0 = ow0 * SW - a.pad_left;
+    Acc acc[B][V];
+#pragma unroll
+    for (int b = 0; b < B; ++b)
+#pragma unroll
+      for (int e = 0; e < V; ++e) acc[b][e] = Acc(0);
+#pragma unroll
+    for (int j = 0; j < NCOL; ++j) {
+      const int64_t c = c0 + j;
+      const bool col_ok = c >= 0 && c < W;
+      Acc cs[V];  // column c summed over the window rows
+#pragma unroll
+      for (int e = 0; e < V; ++e) cs[e] = Acc(0);
+#pragma unroll
+      for (int r = 0; r < KH; ++r) {
+        const int64_t h = top + r;
+        const bool ok = col_ok && h >= 0 && h < H;
+        VecT v;
+        if (ok) {
+          v = *reinterpret_cast<const VecT*>(x + ((n * H + h) * W + c) * C +
+                                             c_off);
+        } else {
+#pragma unroll
+          for (int e = 0; e < V; ++e) v.v[e] = T(0);
+        }
+#pragma unroll
+        for (int e = 0; e < V; ++e) cs[e] += N::Load(v.v[e]);
+      }
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        if (j - b * SW >= 0 && j - b * SW < KW) {
+#pragma unroll
+          for (int e = 0; e < V; ++e) acc[b][e] += cs[e];
+        }
+      }
+    }
+    const Window wh = WindowAt(oh, H, KH, SH, a.pad_top, a.pad_bottom);
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      const int64_t ow = ow0 + b;
+      if (ow < OW) {
+        const Window ww = WindowAt(ow, W, KW, SW, a.pad_left, a.pad_right);
+        const Acc r = Reciprocal(static_cast<Acc>(Divisor(a, wh, ww)));
+        VecT out;
+#pragma unroll
+        for (int e = 0; e < V; ++e) out.v[e] = N::Store(acc[b][e] * r);
+        *reinterpret_cast<VecT*>(y + (row_id * OW + ow) * C + c_off) = out;
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Backward, gather: dx[h, w] = sum over the windows (oh, ow) covering (h, w)
 // of dy[oh, ow] / divisor, in ascending (oh, ow) order (the CPU's order).
@@ -283,6 +361,108 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
             for (int e = 0; e < V; ++e) acc[b][e] += g[e];
           }
+        }
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      if (w0 + b < W) {
+        VecT out;
+#pragma unroll
+        for (int e = 0; e < V; ++e) out.v[e] = N::Store(acc[b][e]);
+        *reinterpret_cast<VecT*>(dx + (row_id * W + w0 + b) * C + c_off) = out;
+      }
+    }
+  }
+}
+
+// NHWC gather, specialisations: the same work items, column by column. The
+// first dy column whose window reaches input column w0 (a multiple of
+// BLOCK, itself a multiple of SW) is ceil((w0 + pad_left - KW + 1) / SW);
+// its window starts KW - 1 - E columns before w0 for E = (KW - 1 -
+// pad_left) mod SW, a template parameter, so which dy column covers which
+// dx column is known at compile time. Per dy column: the quotients of the
+// dy rows that cover row h, summed, then added to the dx columns its window
+// holds. Divisors as per-axis reciprocal factors (one per row and column).
+template <typename T, typename S, int V, int E>
+__global__ void __launch_bounds__(kThreads)
+    GatherNhwcColumns(const PoolAttrs a, const PoolShape s,
+                      const T* __restrict__ dy, T* __restrict__ dx,
+                      const int64_t total) {
+  using N = Num<T>;
+  using Acc = typename N::Acc;
+  using VecT = Vec<T, V>;
+  constexpr int KH = S::KH, KW = S::KW, SH = S::SH, SW = S::SW, B = S::BLOCK;
+  static_assert(B % SW == 0 && E >= 0 && E < SW);
+  constexpr int NT = (KH - 1) / SH + 1;              // dy rows over row h
+  constexpr int NU = (B - 1 + KW - 1 - E) / SW + 1;  // dy columns over w0..
+  const int64_t H = s.in_h, W = s.in_w, OH = s.out_h, OW = s.out_w;
+  const int64_t C = s.channels, CV = C / V;
+  const int64_t groups = (W + B - 1) / B;
+  const bool narrow = total <= INT32_MAX;
+  // The divisor factor of a window along one axis (the override goes with
+  // the rows).
+  const auto factor = [&](const Window& w, bool is_row) {
+    return a.divisor_mode == kCountPadded ? static_cast<Acc>(w.padded_count)
+           : a.divisor_mode == kCountReal ? static_cast<Acc>(w.end - w.start)
+           : is_row                       ? static_cast<Acc>(a.divisor_override)
+                                          : Acc(1);
+  };
+  for (int64_t i = FirstThread(); i < total; i += ThreadCount()) {
+    const Split3 at = Decompose(i, groups, CV, narrow);
+    const int64_t row_id = at.outer;  // n * H + h
+    const Split2 n_h = DivMod(row_id, H, narrow);
+    const int64_t n = n_h.quot, h = n_h.rem;
+    const int64_t w0 = at.mid * B, c_off = at.inner * V;
+    const int64_t ow_lo = (w0 + a.pad_left - KW + 1 + E) / SW;  // exact
+    const int64_t oh_lo = CoverOf(h, OH, KH, SH, a.pad_top).first;
+    const int64_t oh_hi = CoverOf(h, OH, KH, SH, a.pad_top).last;
+    Acc rh[NT];  // 1 / row factor, 0 for rows that do not cover h
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const int64_t oh = oh_lo + t;
+      rh[t] = oh <= oh_hi
+                  ? Reciprocal(factor(
+                        WindowAt(oh, H, KH, SH, a.pad_top, a.pad_bottom), true))
+                  : Acc(0);
+    }
+    Acc acc[B][V];
+#pragma unroll
+    for (int b = 0; b < B; ++b)
+#pragma unroll
+      for (int e = 0; e < V; ++e) acc[b][e] = Acc(0);
+#pragma unroll
+    for (int u = 0; u < NU; ++u) {
+      const int64_t ow = ow_lo + u;
+      const bool col_ok = ow >= 0 && ow < OW;
+      Acc vs[V];
+#pragma unroll
+      for (int e = 0; e < V; ++e) vs[e] = Acc(0);
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        const int64_t oh = oh_lo + t;
+        const bool ok = col_ok && oh <= oh_hi;
+        VecT v;
+        if (ok) {
+          v = *reinterpret_cast<const VecT*>(
+              dy + ((n * OH + oh) * OW + ow) * C + c_off);
+        } else {
+#pragma unroll
+          for (int e = 0; e < V; ++e) v.v[e] = T(0);
+        }
+#pragma unroll
+        for (int e = 0; e < V; ++e) vs[e] += N::Load(v.v[e]) * rh[t];
+      }
+      const Acc rw =
+          col_ok ? Reciprocal(factor(
+                       WindowAt(ow, W, KW, SW, a.pad_left, a.pad_right), false))
+                 : Acc(0);
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        const int k = b + KW - 1 - E - u * SW;  // column w0 + b in window u
+        if (k >= 0 && k < KW) {
+#pragma unroll
+          for (int e = 0; e < V; ++e) acc[b][e] += vs[e] * rw;
         }
       }
     }
@@ -684,6 +864,17 @@ constexpr int kRowsPerItem = S::SH == 1 ? 4 : 2;
 template <typename S>
 constexpr int kGatherRowsPerItem = 4;
 
+// Calls fn(std::integral_constant<int, e>) with the E of GatherNhwcColumns:
+// (KW - 1 - pad_left) mod SW.
+template <typename S, typename Fn>
+cudaError_t WithColumnPhase(int64_t pad_left, Fn&& fn) {
+  const int64_t e = ((S::KW - 1 - pad_left) % S::SW + S::SW) % S::SW;
+  if constexpr (S::SW == 2) {
+    if (e == 1) return fn(std::integral_constant<int, 1>{});
+  }
+  return fn(std::integral_constant<int, 0>{});
+}
+
 // Calls fn(std::integral_constant<int, e>) with the E of GatherNchwRows:
 // (-(pad_top - KH + 1)) mod SH.
 template <typename S, typename Fn>
@@ -882,12 +1073,21 @@ cudaError_t LaunchForward(cudaStream_t stream, DType dtype, const PoolAttrs& a,
         return Launch(ForwardNchw<T, S>, stream, rows * s.channels * groups, a,
                       s, in, out);
       }
-      if (CanVectorise<T>(s, x, y)) {
-        return Launch(ForwardNhwc<T, S, kWide<T>>, stream,
-                      rows * groups * (s.channels / kWide<T>), a, s, in, out);
+      if constexpr (!S::kGeneric) {
+        if (CanVectorise<T>(s, x, y)) {
+          return Launch(ForwardNhwcColumns<T, S, kWide<T>>, stream,
+                        rows * groups * (s.channels / kWide<T>), a, s, in, out);
+        }
+        return Launch(ForwardNhwcColumns<T, S, 1>, stream,
+                      rows * groups * s.channels, a, s, in, out);
+      } else {
+        if (CanVectorise<T>(s, x, y)) {
+          return Launch(ForwardNhwc<T, S, kWide<T>>, stream,
+                        rows * groups * (s.channels / kWide<T>), a, s, in, out);
+        }
+        return Launch(ForwardNhwc<T, S, 1>, stream, rows * groups * s.channels,
+                      a, s, in, out);
       }
-      return Launch(ForwardNhwc<T, S, 1>, stream, rows * groups * s.channels, a,
-                    s, in, out);
     });
   });
 }
@@ -942,12 +1142,25 @@ cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
         return Launch(GatherNchw<T, S>, stream, rows * s.channels * groups, a,
                       s, in, out);
       }
-      if (CanVectorise<T>(s, dy, dx)) {
-        return Launch(GatherNhwc<T, S, kWide<T>>, stream,
-                      rows * groups * (s.channels / kWide<T>), a, s, in, out);
+      if constexpr (!S::kGeneric) {
+        return WithColumnPhase<S>(a.pad_left, [&](auto e) {
+          constexpr int kE = decltype(e)::value;
+          if (CanVectorise<T>(s, dy, dx)) {
+            return Launch(GatherNhwcColumns<T, S, kWide<T>, kE>, stream,
+                          rows * groups * (s.channels / kWide<T>), a, s, in,
+                          out);
+          }
+          return Launch(GatherNhwcColumns<T, S, 1, kE>, stream,
+                        rows * groups * s.channels, a, s, in, out);
+        });
+      } else {
+        if (CanVectorise<T>(s, dy, dx)) {
+          return Launch(GatherNhwc<T, S, kWide<T>>, stream,
+                        rows * groups * (s.channels / kWide<T>), a, s, in, out);
+        }
+        return Launch(GatherNhwc<T, S, 1>, stream, rows * groups * s.channels,
+                      a, s, in, out);
       }
-      return Launch(GatherNhwc<T, S, 1>, stream, rows * groups * s.channels, a,
-                    s, in, out);
     });
   });
 }
