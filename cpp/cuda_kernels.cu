@@ -579,6 +579,14 @@ __device__ __forceinline__ void WarpStore(T* dst, bool ok, const Acc (&in)[N],
   }
 }
 
+// A row kernel's work item (plane, row block, chunk): `active` when it
+// exists, `owned` when this lane also produces it.
+struct RowItem {
+  bool active, owned;
+  int64_t plane;
+  int block, chunk;
+};
+
 // The lanes of a warp of a row kernel whose items reach HL chunks to the
 // left and HR to the right: item = first + lane - HL; the lanes in
 // [HL, 32 - HR) own their items, the others only share their loads.
@@ -596,6 +604,17 @@ struct RowLanes {
   }
   static __device__ __forceinline__ int64_t Warps(int64_t items) {
     return (items + kPerWarp - 1) / kPerWarp;
+  }
+  // This lane's item in `warp`, of `total` items.
+  __device__ __forceinline__ RowItem At(int64_t warp, int64_t total,
+                                        int64_t row_blocks,
+                                        int64_t chunks) const {
+    const int64_t i = Item(warp);
+    const bool active = i >= 0 && i < total;
+    const Split3 at =
+        Decompose(active ? i : 0, row_blocks, chunks, total + 32 <= INT32_MAX);
+    return {active, active && Owns(), at.outer, static_cast<int>(at.mid),
+            static_cast<int>(at.inner)};
   }
 };
 
@@ -671,16 +690,13 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row_blocks = (OH + R - 1) / R;
   const Lanes lanes;
   const int lane = lanes.lane;
-  const bool narrow = total + 32 <= INT32_MAX;
   const bool whole_vectors = CanStoreRuns<T, B>(y, OW);
   const int64_t warps = Lanes::Warps(total);
   for (int64_t warp = FirstWarp(); warp < warps; warp += WarpCount()) {
-    const int64_t i = lanes.Item(warp);
-    const bool active = i >= 0 && i < total;
-    const Split3 at = Decompose(active ? i : 0, row_blocks, chunks, narrow);
-    const int64_t p = at.outer;
-    const int oh0 = static_cast<int>(at.mid) * R,
-              g = static_cast<int>(at.inner);
+    const auto item = lanes.At(warp, total, row_blocks, chunks);
+    const bool active = item.active;
+    const int64_t p = item.plane;
+    const int oh0 = item.block * R, g = item.chunk;
     const int top = oh0 * SH - static_cast<int>(a.pad_top), col0 = g * V;
     Acc own[NR][V];
 #pragma unroll
@@ -715,7 +731,7 @@ __global__ void __launch_bounds__(kThreads)
         for (int k = 1; k < KW; ++k) acc[o][b] += buf[b * SW + k];
       }
     }
-    if (!active || !lanes.Owns() || g * B >= OW) continue;
+    if (!item.owned || g * B >= OW) continue;
     Acc wf[B];
 #pragma unroll
     for (int b = 0; b < B; ++b) {
@@ -772,18 +788,16 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row_blocks = (H + R - 1) / R;
   const Lanes lanes;
   const int lane = lanes.lane;
-  const bool narrow = total + 32 <= INT32_MAX;
   const bool whole_vectors = CanStoreRuns<T, B>(dy, OW);
   // Per warp, the staging area of WarpStore (unused for 16 bytes or less).
   constexpr int kStage = sizeof(T) * V > 16 ? 32 * V : 1;
   __shared__ __align__(16) T stage[kThreads / 32][kStage];
   const int64_t warps = Lanes::Warps(total);
   for (int64_t warp = FirstWarp(); warp < warps; warp += WarpCount()) {
-    const int64_t i = lanes.Item(warp);
-    const bool active = i >= 0 && i < total;
-    const Split3 at = Decompose(active ? i : 0, row_blocks, chunks, narrow);
-    const int64_t p = at.outer;
-    const int h0 = static_cast<int>(at.mid) * R, g = static_cast<int>(at.inner);
+    const auto item = lanes.At(warp, total, row_blocks, chunks);
+    const bool active = item.active;
+    const int64_t p = item.plane;
+    const int h0 = item.block * R, g = item.chunk;
     const int ow0 = g * B;
     const int oh_lo = FloorDivInt(h0 + static_cast<int>(a.pad_top) - C0, SH);
     Acc q[NOH][B];  // dy / divisor
@@ -819,7 +833,7 @@ __global__ void __launch_bounds__(kThreads)
         q[t][b] = ok && ow0 + b < OW ? q[t][b] * (hf * wf[b]) : Acc(0);
       }
     }
-    const bool store = active && lanes.Owns() && g * V < W;
+    const bool store = item.owned && g * V < W;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       Acc vs[B];  // sums over the dy rows whose windows cover row h0 + r
