@@ -1,8 +1,43 @@
-// CUDA scatter backward: each dy / divisor is added with atomics to every
+// CUDA scatter backward: the target (dx, or the float32 workspace of a
+// 16-bit dx) is zeroed, then each dy / divisor is added with atomics to every
 // element of its window. See cuda_kernels.h.
+//
+// The main kernel (ScatterTiled) adds up on chip before it touches global
+// memory. Average pooling is separable: the contribution of a set of dy rows
+// to dx is a sum along W followed by a sum along H. A thread block takes a
+// tile: P images (NCHW planes or NHWC images), a band of nb consecutive dy
+// rows, a chunk of nw consecutive dx columns and, in NHWC, a slice of cs
+// channels. For each tile it
+//   1. copies the dy values of the band whose windows meet the chunk into
+//      shared memory (cp.async on sm_80 and later) and divides each by its
+//      window's divisor: G[image][row][dy column][c];
+//   2. sums G along W: T[image][row][dx column][c] is the sum of G over the
+//      windows of the row that contain the column;
+//   3. sums T along H: dx row h of the tile gets the sum of the T rows whose
+//      windows contain h, added to the target with one atomic per element
+//      (a 16-byte vector atomic on sm_90 where the layout allows).
+// Chunks own their dx columns (a dy column whose windows straddle two chunks
+// is loaded by both), so only bands overlap: the KH - SH dx rows shared by
+// two adjacent bands get one atomic from each. Each dy element is loaded and
+// divided once per chunk that needs it, and each dx element gets one atomic
+// per band that covers it: one in the common case of whole images per tile.
+// The terms are the per-element scatter's, summed in another order.
+//
+// In the specialisations, a thread of step 2 produces a run of adjacent
+// columns and a thread of step 3 a run of adjacent rows, loading each G or T
+// value that the run shares once; the window and stride are compile-time
+// constants, the padding is not, so the few possible alignments of a run
+// against the windows ("phases") are compiled separately. The generic kernel
+// loops. PlanTiles chooses the tile on the host.
+//
+// The simple kernels (one thread per dy element, one atomic per window
+// element) remain for what the tiles cannot hold: extents, windows or
+// paddings of 2^28 or more, or windows so wide that a single tile row does
+// not fit in shared memory.
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include "cuda_common.cuh"
 
@@ -10,10 +45,8 @@ namespace jax_avgpool::cuda {
 namespace {
 
 // ---------------------------------------------------------------------------
-// Backward, scatter: each dy / divisor is added with atomics to every element
-// of its window, in the accumulator type: into dx itself for float32 and
-// float64, into a float32 workspace for 16-bit types, narrowed into dx
-// afterwards. The target must be zero before the launch.
+// Simple kernels: each dy / divisor is added with atomics to every element of
+// its window, in the accumulator type.
 
 // The outputs of one scatter thread: BLOCK of them, 32 apart, so that the
 // lanes of a warp work on consecutive outputs and their atomics coalesce.
@@ -80,6 +113,784 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
+// ---------------------------------------------------------------------------
+// Tiled kernel: helpers.
+
+// Shared memory a tile may use: below the 48 KiB that needs no opt-in, and
+// small enough for five blocks per SM on sm_80 and sm_90 (registers allow
+// four to five).
+constexpr int kTileBudget = 44 * 1024;
+// Extents, windows, strides and paddings below this take the tiled kernel;
+// sums of a few of them then fit in 32-bit arithmetic.
+constexpr int64_t kTileLimit = int64_t{1} << 28;
+// Adjacent dx columns per thread in step 2 (for channel vectors of V) and dx
+// rows per thread in step 3, in the specialisations; the generic kernel does
+// one. An odd run keeps the lanes' shared-memory accesses, a run apart, on
+// distinct banks.
+constexpr int RunW(int V) { return V == 1 ? 7 : 5; }
+constexpr int kRunH = 4;
+// Blocks per SM the tiled kernel's register use must allow.
+constexpr int kTileBlocks = 4;
+// Tiles that keep a large GPU busy (132 SMs of kTileBlocks blocks on an
+// H100 or H200); the tiling takes smaller tiles rather than fewer.
+constexpr int64_t kTileSlots = 528;
+
+// Quotient of a non-negative int below 2^31 by a divisor fixed for the launch:
+// a multiply-high, an add and a shift.
+struct FastDiv {
+  uint32_t mul;
+  uint32_t shift;
+  static FastDiv Of(uint32_t d) {
+    uint32_t l = 0;
+    while ((uint64_t{1} << l) < d) ++l;
+    FastDiv f;
+    f.mul = static_cast<uint32_t>(
+        ((uint64_t{1} << 32) * ((uint64_t{1} << l) - d)) / d + 1);
+    f.shift = l;
+    return f;
+  }
+  __device__ __forceinline__ int operator()(int n) const {
+    const uint32_t u = static_cast<uint32_t>(n);
+    return static_cast<int>((__umulhi(u, mul) + u) >> shift);
+  }
+};
+
+// Calls f(std::integral_constant<int, I>) for I = 0 .. N - 1.
+template <typename F, int... I>
+__device__ __forceinline__ void UnrollSeq(F& f,
+                                          std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+template <int N, typename F>
+__device__ __forceinline__ void Unroll(F&& f) {
+  UnrollSeq(f, std::make_integer_sequence<int, N>{});
+}
+
+// Calls f(std::integral_constant<int, ph>) for the runtime ph in [0, S).
+template <int S, int P = 0, typename F>
+__device__ __forceinline__ void WithPhase(int ph, F&& f) {
+  if constexpr (P + 1 >= S) {
+    f(std::integral_constant<int, P>{});
+  } else if (ph == P) {
+    f(std::integral_constant<int, P>{});
+  } else {
+    WithPhase<S, P + 1>(ph, f);
+  }
+}
+
+// floor(u / S) for any sign of u.
+template <int S>
+__device__ __forceinline__ int FloorDiv(int u) {
+  if constexpr (S == 1) {
+    return u;
+  } else {
+    return u >= 0 ? u / S : -((S - 1 - u) / S);
+  }
+}
+
+template <typename A, int V>
+__device__ __forceinline__ Vec<A, V> Zero() {
+  Vec<A, V> v;
+#pragma unroll
+  for (int e = 0; e < V; ++e) v.v[e] = A(0);
+  return v;
+}
+
+template <typename A, int V>
+__device__ __forceinline__ void AddTo(Vec<A, V>& acc, const Vec<A, V>& v) {
+#pragma unroll
+  for (int e = 0; e < V; ++e) acc.v[e] += v.v[e];
+}
+
+template <typename A, int V>
+__device__ __forceinline__ Vec<A, V> LoadVec(const A* p) {
+  return *reinterpret_cast<const Vec<A, V>*>(p);
+}
+
+template <typename A, int V>
+__device__ __forceinline__ void StoreVec(A* p, const Vec<A, V>& v) {
+  *reinterpret_cast<Vec<A, V>*>(p) = v;
+}
+
+// A run of B adjacent positions x0 .. x0 + B - 1 along one axis, and the
+// windows (size K, stride S) that contain them. Writing
+// x0 + lo - K + 1 = q * S + ph with 0 <= ph < S, the windows that can contain
+// a position of the run are q + j for j < kCandidates, and window q + j
+// contains x0 + b exactly when Covers(ph, b, j).
+template <int K, int S, int B>
+struct Run {
+  static constexpr int kCandidates = (S + B + K - 3) / S + 1;
+  static constexpr bool Covers(int ph, int b, int j) {
+    return j * S >= ph + b && j * S <= ph + b + K - 1;
+  }
+  static constexpr bool Used(int ph, int j) {
+    for (int b = 0; b < B; ++b) {
+      if (Covers(ph, b, j)) return true;
+    }
+    return false;
+  }
+  // Whether j is the first window that contains x0 + b.
+  static constexpr bool First(int ph, int b, int j) {
+    return Covers(ph, b, j) && (j == 0 || !Covers(ph, b, j - 1));
+  }
+};
+
+// The number of windows (size k, stride s) on either side of a tile whose
+// values a run inside the tile may load (see ScatterTiled).
+constexpr int Margin(int k, int s) { return (k - 1 + s - 1) / s; }
+
+// acc[b] = the sum over the windows j that contain x0 + b of load(j), for
+// the run of Run<K, S, B> in phase ph.
+template <int K, int S, int B, typename A, int V, typename Load>
+__device__ __forceinline__ void SumRun(int ph, const Load& load,
+                                       Vec<A, V> (&acc)[B]) {
+  using R = Run<K, S, B>;
+#pragma unroll
+  for (int b = 0; b < B; ++b) acc[b] = Zero<A, V>();
+  WithPhase<S>(ph, [&](auto phase) {
+    constexpr int kPh = decltype(phase)::value;
+    Unroll<R::kCandidates>([&](auto jc) {
+      constexpr int kJ = decltype(jc)::value;
+      if constexpr (R::Used(kPh, kJ)) {
+        const Vec<A, V> v = load(kJ);
+        Unroll<B>([&](auto bc) {
+          constexpr int kB = decltype(bc)::value;
+          if constexpr (R::First(kPh, kB, kJ)) {
+            acc[kB] = v;
+          } else if constexpr (R::Covers(kPh, kB, kJ)) {
+            AddTo(acc[kB], v);
+          }
+        });
+      }
+    });
+  });
+}
+
+// The windows (size k, stride s, padding lo before) that contain x are
+// FirstCover .. LastCover (CoverOf without the clamp to the output count).
+__device__ __forceinline__ int FirstCover(int x, int k, int s, int lo) {
+  const int low = x + lo - k + 1;
+  return low <= 0 ? 0 : (low + s - 1) / s;
+}
+__device__ __forceinline__ int LastCover(int x, int s, int lo) {
+  return (x + lo) / s;
+}
+
+// The factor of one axis in Divisor(): the window of output o clipped to
+// [lo_clip, hi_clip), which is [-lo, in + hi) for WindowAt's padded count and
+// [0, in) for its real count.
+__device__ __forceinline__ int AxisCount(int o, int k, int s, int lo,
+                                         int lo_clip, int hi_clip) {
+  const int begin = o * s - lo;
+  return max(min(begin + k, hi_clip) - max(begin, lo_clip), 0);
+}
+
+// Adds V consecutive values to global memory: one vector atomic on sm_90
+// for four floats (16-byte aligned), else one atomic per value.
+template <typename A, int V>
+__device__ __forceinline__ void AtomicAddVec(A* p, const Vec<A, V>& v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr bool kVector = std::is_same_v<A, float> && V == 4;
+#else
+  constexpr bool kVector = false;
+#endif
+  if constexpr (kVector) {
+    atomicAdd(reinterpret_cast<float4*>(p),
+              make_float4(v.v[0], v.v[1], v.v[2], v.v[3]));
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) atomicAdd(p + e, v.v[e]);
+  }
+}
+
+// Starts a copy of kBytes (4, 8 or 16, aligned) from global to shared memory
+// that WaitCopies() completes; a plain copy before sm_80.
+template <int kBytes, typename D, typename S>
+__device__ __forceinline__ void CopyAsync(D* dst, const S* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  if constexpr (kBytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to),
+                 "l"(src)
+                 : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(to),
+                 "l"(src), "n"(kBytes)
+                 : "memory");
+  }
+#else
+  struct alignas(kBytes) Bytes {
+    unsigned char b[kBytes];
+  };
+  *reinterpret_cast<Bytes*>(dst) = *reinterpret_cast<const Bytes*>(src);
+#endif
+}
+
+__device__ __forceinline__ void WaitCopies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
+template <typename A>
+__device__ __forceinline__ A* DynamicShared() {
+  extern __shared__ __align__(16) unsigned char scatter_shared[];
+  return reinterpret_cast<A*>(scatter_shared);
+}
+
+// Geometry and tiling of one launch, computed on the host (PlanTiles).
+// Positions are W indices (columns); a position holds C channels in memory
+// (C = 1 in NCHW, where the "images" are the planes).
+struct TileGeom {
+  int H, W, OH, OW, C;
+  int kh, kw, sh, sw;
+  int pad_top, pad_bottom, pad_left, pad_right;
+  int divisor_mode;
+  int64_t divisor_override;
+  // Window clipping of the divisor's counts (AxisCount), rows and columns.
+  int clip_top, clip_bottom, clip_left, clip_right;
+  int64_t images;        // planes (NCHW) or images (NHWC)
+  int64_t image_stride;  // H * W * C
+  int64_t row_stride;    // W * C
+  int64_t tiles;
+  // Tile: P images x nb dy rows x nw dx columns x cs channels. The last of
+  // each may be cut short by the extent.
+  int P, nb, nw, cs;
+  int bands, chunks, slices;
+  // Threads: cv vectors of V channels per position, ps positions at a time;
+  // in step 1, a thread takes G columns s1_cols apart and G rows s1_rows
+  // apart.
+  int cv, ps, s1_cols, s1_rows;
+  int64_t dy_row;  // OW * C
+  // Shared memory, in accumulator elements (see ScatterTiled): G rows of gw
+  // columns gp apart after gm margin columns, T planes of nb rows tp apart
+  // after tm margin rows, from t_offset; smem in all.
+  int gw, gm, gp, nwT, tm, tp, t_offset, smem;
+  // Work items per row: runs of step 2 per G row, row runs of step 3 per
+  // image, column groups of step 3 per row.
+  int runs_w, runs_h, groups;
+  FastDiv by_nb, by_runs_w, by_runs_h, by_groups;
+};
+
+// ---------------------------------------------------------------------------
+// Tiled kernel. V: channels per vector (NHWC with C % 4 == 0 in float; else
+// 1). L: consecutive values per atomic in step 3, V in NHWC, 4 adjacent
+// columns in NCHW when W % 4 == 0 (else 1).
+//
+// Shared memory layout (positions of cs channels each):
+//   G: gm + P * nb * gp positions; G row i = (image, dy row) = (pl, r),
+//      i = pl * nb + r, holds dy column ga + j at position gm + i * gp + j,
+//      0 <= j < gw, with zeros at the gm = gp - gw positions between rows
+//      and before the first.
+//   T: tm + P * tp rows of nwT positions; T row (pl, r) is row
+//      tm + pl * tp + r, 0 <= r < nb, with tm = tp - nb zero rows between
+//      images and before the first.
+// The margins are zeroed once; G columns past the tile's and T rows past its
+// band are zeroed per tile. A run of step 2 or 3 that ends inside the tile
+// then loads its windows' values without bounds checks: the windows it may
+// reach outside the tile (Margin() on either side) read zeros. Runs that
+// end past the tile check.
+template <typename T, typename S, int V, int L>
+__global__ void __launch_bounds__(kThreads, kTileBlocks)
+    ScatterTiled(const TileGeom g, const T* __restrict__ dy,
+                 typename Num<T>::Acc* __restrict__ dx) {
+  using N = Num<T>;
+  using Acc = typename N::Acc;
+  using VecA = Vec<Acc, V>;
+  using VecL = Vec<Acc, L>;
+  using VecT = Vec<T, V>;
+  static_assert(V == 1 || V == L, "channel vectors are the atomic unit");
+  constexpr bool kGeneric = S::kGeneric;
+  constexpr int kRw = kGeneric ? 1 : RunW(V);
+  constexpr int kRh = kGeneric ? 1 : kRunH;
+  constexpr int kCols = V == 1 ? L : 1;  // columns per item of step 3
+  // Step 1 copies values of 4 bytes or more asynchronously into shared
+  // memory; narrower ones go through registers, kBatch at a time.
+  constexpr bool kAsync = sizeof(VecT) >= 4;
+  constexpr int kBatch = 4;
+
+  const int kh = kGeneric ? g.kh : S::KH;
+  const int kw = kGeneric ? g.kw : S::KW;
+  const int sh = kGeneric ? g.sh : S::SH;
+  const int sw = kGeneric ? g.sw : S::SW;
+  const bool fixed = g.divisor_mode == kOverride;
+  const Acc fixed_divisor = static_cast<Acc>(g.divisor_override);
+
+  Acc* const smem = DynamicShared<Acc>();
+  for (int i = threadIdx.x; i < g.smem; i += blockDim.x) smem[i] = Acc(0);
+  __syncthreads();
+
+  // This thread's channel vector and position lane.
+  const int pos_lane = static_cast<int>(threadIdx.x) / g.cv;
+  const int c_off = (static_cast<int>(threadIdx.x) - pos_lane * g.cv) * V;
+  // G position j of G row i: gs[(i * gp + j) * cs], this thread's channels.
+  // Channels per position: one in NCHW (the only layout with L > V).
+  const int cs = V == 1 && L > 1 ? 1 : g.cs;
+  Acc* const gs = smem + g.gm * cs + c_off;
+  // T position x of T row (pl, r): ts[((pl * tp + r) * nwT + x) * cs].
+  Acc* const ts = smem + g.t_offset + g.tm * g.nwT * cs + c_off;
+  const int g_row = g.gp * cs;
+  const int t_row = g.nwT * cs;
+  // Step 1: this thread takes G columns s1_col0 + m * s1_cols and, in each,
+  // G rows s1_row0 + k * s1_rows, whose rows in their image are r0 first,
+  // advancing by s1_r modulo nb.
+  const int s1_row0 = pos_lane / g.s1_cols;
+  const int s1_col0 = pos_lane - s1_row0 * g.s1_cols;
+  const int r0 = s1_row0 % g.nb;
+  const int s1_r = g.s1_rows % g.nb;
+
+  for (int64_t tile = blockIdx.x; tile < g.tiles; tile += gridDim.x) {
+    // Tile coordinates, channel slice fastest, then chunk, band, images.
+    int64_t t = tile;
+    const int slice = static_cast<int>(t % g.slices);
+    t /= g.slices;
+    const int chunk = static_cast<int>(t % g.chunks);
+    t /= g.chunks;
+    const int band = static_cast<int>(t % g.bands);
+    const int64_t img0 = (t / g.bands) * g.P;
+    const int np = static_cast<int>(min(int64_t{g.P}, g.images - img0));
+    const int oh0 = band * g.nb;
+    const int nbt = min(g.nb, g.OH - oh0);
+    const int w0 = chunk * g.nw;
+    const int w1 = min(g.W, w0 + g.nw);
+    const int c0 = slice * cs;
+    const bool active = pos_lane < g.ps && c_off < g.C - c0;
+    // The dy columns [ga, gb) whose windows meet dx columns [w0, w1), and the
+    // dx rows [hs, he) that the windows of dy rows [oh0, oh0 + nbt) meet.
+    const int ga = FirstCover(w0, kw, sw, g.pad_left);
+    const int gb = min(g.OW, LastCover(w1 - 1, sw, g.pad_left) + 1);
+    const int hs = max(oh0 * sh - g.pad_top, 0);
+    const int he = [&] {
+      const int begin = (oh0 + nbt - 1) * sh - g.pad_top;
+      const int stop = min(min(begin + kh, g.H + g.pad_bottom), g.H);
+      return max(stop, hs);
+    }();
+    if (ga >= gb || hs >= he) continue;  // nothing to add; uniform per block
+    const int gwt = gb - ga;
+
+    // Step 1: G = dy / divisor, zeros in G columns gwt .. gw - 1. G rows
+    // below `rows` are in the tile; G row i is dy row i of the tile, counted
+    // from its first (several images per tile only come with whole images).
+    if (active && s1_row0 < g.s1_rows) {
+      const int rows = (np - 1) * g.nb + nbt;
+      const int slot_step = g.s1_rows * g_row;
+      const int64_t dy_step = static_cast<int64_t>(g.s1_rows) * g.dy_row;
+      for (int j = s1_col0; j < g.gw; j += g.s1_cols) {
+        Acc* const col = gs + j * cs;
+        if (j >= gwt) {
+          for (int i = s1_row0; i < rows; i += g.s1_rows) {
+            StoreVec(col + i * g_row, Zero<Acc, V>());
+          }
+          continue;
+        }
+        const T* const src = dy + ((img0 * g.OH + oh0) * g.OW + ga + j) * g.C +
+                             c0 + c_off + s1_row0 * g.dy_row;
+        const Acc cf = static_cast<Acc>(
+            AxisCount(ga + j, kw, sw, g.pad_left, g.clip_left, g.clip_right));
+        // Divides the raw value of G row i (row r of its image) into slot.
+        const auto divide = [&](const VecT& raw, Acc* slot, int r) {
+          const Acc rf = static_cast<Acc>(
+              AxisCount(oh0 + r, kh, sh, g.pad_top, g.clip_top, g.clip_bottom));
+          const Acc d = fixed ? fixed_divisor : rf * cf;
+          VecA v;
+#pragma unroll
+          for (int e = 0; e < V; ++e) v.v[e] = N::Load(raw.v[e]) / d;
+          StoreVec(slot, v);
+        };
+        const auto next_row = [&](int& r) {
+          r += s1_r;
+          if (r >= g.nb) r -= g.nb;
+        };
+        if constexpr (kAsync) {
+          // Copy the raw values into their G slots, then divide them in
+          // place: each thread only touches its own slots.
+          {
+            Acc* slot = col + s1_row0 * g_row;
+            const T* from = src;
+            for (int i = s1_row0; i < rows; i += g.s1_rows) {
+              CopyAsync<sizeof(VecT)>(slot, from);
+              slot += slot_step;
+              from += dy_step;
+            }
+          }
+          WaitCopies();
+          Acc* slot = col + s1_row0 * g_row;
+          for (int i = s1_row0, r = r0; i < rows; i += g.s1_rows) {
+            divide(*reinterpret_cast<const VecT*>(slot), slot, r);
+            slot += slot_step;
+            next_row(r);
+          }
+        } else {
+          // Values narrower than a copy: kBatch loads in flight.
+          Acc* slot = col + s1_row0 * g_row;
+          const T* from = src;
+          for (int i = s1_row0, r = r0; i < rows;) {
+            VecT raw[kBatch];
+#pragma unroll
+            for (int u = 0; u < kBatch; ++u) {
+              if (i + u * g.s1_rows < rows) {
+                raw[u] = *reinterpret_cast<const VecT*>(from + u * dy_step);
+              }
+            }
+#pragma unroll
+            for (int u = 0; u < kBatch; ++u) {
+              if (i < rows) divide(raw[u], slot, r);
+              i += g.s1_rows;
+              slot += slot_step;
+              next_row(r);
+            }
+            from += kBatch * dy_step;
+          }
+        }
+      }
+    }
+    __syncthreads();
+
+    // Step 2: T = G summed along W; zeros in T rows nbt .. nb - 1.
+    {
+      const int count = g.P * g.nb * g.runs_w;
+      for (int p = pos_lane; active && p < count; p += g.ps) {
+        const int row = g.by_runs_w(p);
+        const int x0 = w0 + (p - row * g.runs_w) * kRw;
+        const int pl = g.by_nb(row);
+        const int r = row - pl * g.nb;
+        if (pl >= np || x0 >= w1) continue;
+        const int n_out = min(w1 - x0, kRw);
+        Acc* const trow = ts + (pl * g.tp + r) * t_row + (x0 - w0) * cs;
+        if (r >= nbt) {
+          for (int b = 0; b < n_out; ++b) {
+            StoreVec(trow + b * cs, Zero<Acc, V>());
+          }
+          continue;
+        }
+        // G value of dy column ow: grow[(ow - ga) * cs].
+        const Acc* const grow = gs + row * g_row;
+        if constexpr (kGeneric) {
+          const int first = max(FirstCover(x0, kw, sw, g.pad_left), ga);
+          const int last = min(LastCover(x0, sw, g.pad_left), gb - 1);
+          VecA acc = Zero<Acc, V>();
+          for (int ow = first; ow <= last; ++ow) {
+            AddTo(acc, LoadVec<Acc, V>(grow + (ow - ga) * cs));
+          }
+          StoreVec(trow, acc);
+        } else {
+          const int u = x0 + g.pad_left - S::KW + 1;
+          const int q = FloorDiv<S::SW>(u);
+          const int ph = u - q * S::SW;
+          const Acc* const gq = grow + (q - ga) * cs;
+          VecA acc[kRw];
+          if (n_out == kRw) {
+            SumRun<S::KW, S::SW>(
+                ph, [&](int j) { return LoadVec<Acc, V>(gq + j * cs); }, acc);
+#pragma unroll
+            for (int b = 0; b < kRw; ++b) StoreVec(trow + b * cs, acc[b]);
+          } else {
+            SumRun<S::KW, S::SW>(
+                ph,
+                [&](int j) {
+                  const int ow = q + j;
+                  return ow >= ga && ow < gb ? LoadVec<Acc, V>(gq + j * cs)
+                                             : Zero<Acc, V>();
+                },
+                acc);
+#pragma unroll
+            for (int b = 0; b < kRw; ++b) {
+              if (b < n_out) StoreVec(trow + b * cs, acc[b]);
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();
+
+    // Step 3: dx rows = T summed along H, added to the target. The next
+    // tile's step 1 writes only G, and its step 2 (the first to write T)
+    // follows a barrier, so no barrier is needed after this step.
+    {
+      const int count = g.P * g.runs_h * g.groups;
+      for (int p = pos_lane; active && p < count; p += g.ps) {
+        const int q1 = g.by_groups(p);
+        const int xo = (p - q1 * g.groups) * kCols;
+        const int pl = g.by_runs_h(q1);
+        const int h0 = hs + (q1 - pl * g.runs_h) * kRh;
+        if (pl >= np || h0 >= he || w0 + xo >= w1) continue;
+        // T value of dy row oh: tcol[(oh - oh0) * t_row].
+        const Acc* const tcol = ts + pl * g.tp * t_row + xo * cs;
+        Acc* const out = dx + (img0 + pl) * g.image_stride + h0 * g.row_stride +
+                         static_cast<int64_t>(w0 + xo) * g.C + c0 + c_off;
+        if constexpr (kGeneric) {
+          const int first = max(FirstCover(h0, kh, sh, g.pad_top), oh0);
+          const int last = min(LastCover(h0, sh, g.pad_top), oh0 + nbt - 1);
+          VecL acc = Zero<Acc, L>();
+          for (int oh = first; oh <= last; ++oh) {
+            AddTo(acc, LoadVec<Acc, L>(tcol + (oh - oh0) * t_row));
+          }
+          AtomicAddVec(out, acc);
+        } else {
+          const int u = h0 + g.pad_top - S::KH + 1;
+          const int q = FloorDiv<S::SH>(u);
+          const int ph = u - q * S::SH;
+          const int n_out = he - h0;
+          const Acc* const tq = tcol + (q - oh0) * t_row;
+          VecL acc[kRh];
+          if (n_out >= kRh) {
+            SumRun<S::KH, S::SH>(
+                ph, [&](int j) { return LoadVec<Acc, L>(tq + j * t_row); },
+                acc);
+#pragma unroll
+            for (int b = 0; b < kRh; ++b) {
+              AtomicAddVec(out + b * g.row_stride, acc[b]);
+            }
+          } else {
+            SumRun<S::KH, S::SH>(
+                ph,
+                [&](int j) {
+                  const int oh = q + j;
+                  return oh >= oh0 && oh < oh0 + nbt
+                             ? LoadVec<Acc, L>(tq + j * t_row)
+                             : Zero<Acc, L>();
+                },
+                acc);
+#pragma unroll
+            for (int b = 0; b < kRh; ++b) {
+              if (b < n_out) AtomicAddVec(out + b * g.row_stride, acc[b]);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Tiling, on the host.
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t RoundUp(int64_t a, int64_t b) { return CeilDiv(a, b) * b; }
+
+// What the tiled kernel needs from the tiling: its runs (kRw, kRh of
+// ScatterTiled) and the zero margins they may read (Margin), per axis.
+struct RunShape {
+  int run_w, run_h, margin_w, margin_h;
+};
+
+template <typename S>
+RunShape RunShapeOf(int V) {
+  if constexpr (S::kGeneric) {
+    return {1, 1, 0, 0};
+  } else {
+    return {RunW(V), kRunH, Margin(S::KW, S::SW), Margin(S::KH, S::SH)};
+  }
+}
+
+// Chooses the tile for a launch, or returns false when the tiled kernel does
+// not apply. V, L: as ScatterTiled's.
+//
+// Candidates: channel slices of 32, 16, 8 or 4 (NHWC), chunks of W / 2^k
+// columns, and for each the tallest band that fits the budget, or several
+// whole images. Each is scored by an estimate of its memory traffic per dx
+// element: the atomics (twice the halo rows' share, and whole 32-byte sectors
+// when a slice is narrower), the dy loads (more with narrower chunks), and a
+// per-tile cost.
+bool PlanTiles(const PoolAttrs& a, const PoolShape& s, int V, int L,
+               const RunShape& run, int acc_size, int dy_size, int budget,
+               TileGeom* out) {
+  const bool nchw = a.layout == kNCHW;
+  const int64_t channels = nchw ? 1 : s.channels;
+  for (int64_t v : {s.batch, s.channels, s.in_h, s.in_w, s.out_h, s.out_w,
+                    a.kernel_h, a.kernel_w, a.stride_h, a.stride_w}) {
+    if (v < 1) return false;
+  }
+  for (int64_t v : {s.in_h, s.in_w, s.out_h, s.out_w, channels, a.kernel_h,
+                    a.kernel_w, a.stride_h, a.stride_w, a.pad_top, a.pad_bottom,
+                    a.pad_left, a.pad_right}) {
+    if (v < 0 || v >= kTileLimit) return false;
+  }
+  // The divisor's factors, at most the window's extents, must be exact in
+  // the accumulator type so that their product rounds as Divisor()'s does.
+  if (acc_size == 4 && std::max(a.kernel_h, a.kernel_w) > (int64_t{1} << 24)) {
+    return false;
+  }
+  const int64_t H = s.in_h, W = s.in_w, OH = s.out_h, OW = s.out_w;
+  const int64_t kh = a.kernel_h, kw = a.kernel_w, sh = a.stride_h,
+                sw = a.stride_w;
+  const int64_t gm = run.margin_w, tm = run.margin_h;
+  const int64_t images = nchw ? s.batch * s.channels : s.batch;
+  const int64_t budget_elems = budget / acc_size;
+  const int cols = V == 1 ? L : 1;
+
+  int64_t cs_options[4] = {};
+  int num_cs = 0;
+  for (int64_t c : {32, 16, 8, 4}) {
+    const int64_t cs = nchw ? 1 : std::min<int64_t>(c, channels);
+    if (cs % V != 0) continue;
+    bool seen = false;
+    for (int i = 0; i < num_cs; ++i) seen = seen || cs_options[i] == cs;
+    if (!seen) cs_options[num_cs++] = cs;
+  }
+
+  struct Choice {
+    int64_t P, nb, nw, cs, gw, nwT, bands, chunks, rows;
+  };
+  Choice best{};
+  double best_cost = 0;
+  bool found = false;
+  for (int i = 0; i < num_cs; ++i) {
+    const int64_t cs = cs_options[i];
+    for (int64_t split = 1;; split *= 2) {
+      int64_t nw = CeilDiv(W, split);
+      int64_t chunks = CeilDiv(W, nw);
+      nw = CeilDiv(W, chunks);
+      if (nchw) nw = RoundUp(nw, 4);
+      chunks = CeilDiv(W, nw);
+      // At most (nw - 1 + kw - 1) / sw + 1 windows meet nw columns.
+      const int64_t gw = std::min(OW, (nw + kw - 2) / sw + 1);
+      const int64_t nwT = nchw ? RoundUp(nw, 4) : nw;
+      // Shared memory: fixed + rows * per_row + images * per_image.
+      const int64_t fixed = (gm + tm * nwT) * cs + 3;
+      const int64_t per_row = (gw + gm + nwT) * cs;
+      const int64_t per_image = tm * nwT * cs;
+      const int64_t max_rows = (budget_elems - fixed - per_image) / per_row;
+      // The tallest band that fits, then shorter ones for more tiles.
+      for (int64_t rows_try = std::min(OH, max_rows); rows_try >= 1;
+           rows_try = rows_try == 1 ? 0 : CeilDiv(rows_try, 2)) {
+        const int64_t bands = CeilDiv(OH, rows_try);
+        const int64_t nb = CeilDiv(OH, bands);
+        // Several images per tile only with whole images (ScatterTiled's
+        // step 1 relies on it).
+        int64_t P = 1;
+        if (bands == 1) {
+          P = std::min({(budget_elems - fixed) / (OH * per_row + per_image),
+                        int64_t{8}, images,
+                        std::max<int64_t>(1, images / 1024)});
+          P = std::max<int64_t>(P, 1);
+        }
+        const int64_t tiles =
+            CeilDiv(images, P) * bands * chunks * CeilDiv(channels, cs);
+        const int64_t rows = std::min(H, (nb - 1) * sh + kh);
+        const double halo =
+            bands == 1 ? 1.0
+                       : std::max(1.0, static_cast<double>(rows) / (nb * sh));
+        const double sector =
+            !nchw && cs * acc_size < 32 ? 32.0 / (cs * acc_size) : 1.0;
+        const double loads =
+            static_cast<double>(gw) / nw / sh * dy_size / acc_size;
+        const double per_tile =
+            768.0 / (static_cast<double>(P) * nb * sh * nw * cs);
+        // Fewer tiles than kTileSlots leave the GPU partly idle.
+        const double idle =
+            std::max(1.0, static_cast<double>(kTileSlots) / tiles);
+        const double cost = (2 * halo * sector + loads + per_tile) * idle;
+        if (!found || cost < best_cost) {
+          found = true;
+          best_cost = cost;
+          best = {P, nb, nw, cs, gw, nwT, bands, chunks, rows};
+        }
+        if (tiles >= kTileSlots) break;
+      }
+      // Narrower chunks: NCHW rows of at least 128 bytes, NHWC of 8 columns.
+      if (nw <= (nchw ? 128 / acc_size : 8) || chunks >= W) break;
+    }
+  }
+  if (!found) return false;
+
+  TileGeom& g = *out;
+  g.H = static_cast<int>(H);
+  g.W = static_cast<int>(W);
+  g.OH = static_cast<int>(OH);
+  g.OW = static_cast<int>(OW);
+  g.C = static_cast<int>(channels);
+  g.kh = static_cast<int>(kh);
+  g.kw = static_cast<int>(kw);
+  g.sh = static_cast<int>(sh);
+  g.sw = static_cast<int>(sw);
+  g.pad_top = static_cast<int>(a.pad_top);
+  g.pad_bottom = static_cast<int>(a.pad_bottom);
+  g.pad_left = static_cast<int>(a.pad_left);
+  g.pad_right = static_cast<int>(a.pad_right);
+  g.divisor_mode = static_cast<int>(a.divisor_mode);
+  g.divisor_override = a.divisor_override;
+  const bool padded = a.divisor_mode == kCountPadded;
+  g.clip_top = padded ? -g.pad_top : 0;
+  g.clip_bottom = padded ? g.H + g.pad_bottom : g.H;
+  g.clip_left = padded ? -g.pad_left : 0;
+  g.clip_right = padded ? g.W + g.pad_right : g.W;
+  g.images = images;
+  g.image_stride = H * W * channels;
+  g.row_stride = W * channels;
+  g.P = static_cast<int>(best.P);
+  g.nb = static_cast<int>(best.nb);
+  g.nw = static_cast<int>(best.nw);
+  g.cs = static_cast<int>(best.cs);
+  g.bands = static_cast<int>(best.bands);
+  g.chunks = static_cast<int>(best.chunks);
+  g.slices = static_cast<int>(CeilDiv(channels, best.cs));
+  g.tiles = CeilDiv(images, best.P) * g.bands * g.chunks * g.slices;
+  g.cv = g.cs / V;
+  g.ps = kThreads / g.cv;
+  g.dy_row = OW * channels;
+  g.gw = static_cast<int>(best.gw);
+  g.gm = static_cast<int>(gm);
+  g.gp = g.gw + g.gm;
+  g.nwT = static_cast<int>(best.nwT);
+  g.tm = static_cast<int>(tm);
+  g.tp = g.nb + g.tm;
+  g.t_offset =
+      static_cast<int>(RoundUp((gm + best.P * best.nb * g.gp) * best.cs, 4));
+  g.smem = g.t_offset + (g.tm + g.P * g.tp) * g.nwT * g.cs;
+  g.s1_cols = std::min(g.gw, g.ps);
+  g.s1_rows = g.ps / g.s1_cols;
+  g.runs_w = static_cast<int>(CeilDiv(best.nw, run.run_w));
+  g.runs_h = static_cast<int>(CeilDiv(best.rows, run.run_h));
+  g.groups = static_cast<int>(CeilDiv(best.nw, cols));
+  g.by_nb = FastDiv::Of(g.nb);
+  g.by_runs_w = FastDiv::Of(g.runs_w);
+  g.by_runs_h = FastDiv::Of(g.runs_h);
+  g.by_groups = FastDiv::Of(g.groups);
+  return static_cast<int64_t>(g.smem) * acc_size <= budget;
+}
+
+bool Aligned(const void* p, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+// Launches the tiled kernel when it applies; *launched says whether it did.
+template <typename T, typename S>
+cudaError_t LaunchTiled(cudaStream_t stream, const PoolAttrs& a,
+                        const PoolShape& s, const T* dy,
+                        typename Num<T>::Acc* target, int budget,
+                        bool* launched) {
+  using Acc = typename Num<T>::Acc;
+  *launched = false;
+  constexpr bool kFloat = std::is_same_v<Acc, float>;
+  int V = 1, L = 1;
+  if (kFloat && Aligned(target, 16)) {
+    if (a.layout == kNCHW) {
+      if (s.in_w % 4 == 0) L = 4;
+    } else if (s.channels % 4 == 0 && Aligned(dy, 4 * sizeof(T))) {
+      V = L = 4;
+    }
+  }
+  TileGeom g;
+  if (!PlanTiles(a, s, V, L, RunShapeOf<S>(V), sizeof(Acc), sizeof(T), budget,
+                 &g)) {
+    return cudaSuccess;
+  }
+  auto kernel = ScatterTiled<T, S, 1, 1>;
+  if constexpr (kFloat) {
+    if (V == 4) {
+      kernel = ScatterTiled<T, S, 4, 4>;
+    } else if (L == 4) {
+      kernel = ScatterTiled<T, S, 1, 4>;
+    }
+  }
+  const unsigned blocks =
+      static_cast<unsigned>(std::min<int64_t>(g.tiles, INT32_MAX));
+  kernel<<<blocks, kThreads, g.smem * sizeof(Acc), stream>>>(g, dy, target);
+  *launched = true;
+  return cudaGetLastError();
+}
+
 // Narrows the float32 workspace of a 16-bit scatter into dx.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
@@ -111,9 +922,13 @@ cudaError_t LaunchBackwardScatter(cudaStream_t stream, DType dtype,
     const T* in = static_cast<const T*>(dy);
     const cudaError_t scattered = WithSpec(a, [&](auto spec) {
       using S = decltype(spec);
-      // One thread per BLOCK outputs; the kernels take the output count.
       const int64_t outputs = s.batch * s.channels * s.out_h * s.out_w;
       if (outputs == 0) return cudaSuccess;
+      bool launched = false;
+      const cudaError_t tiled =
+          LaunchTiled<T, S>(stream, a, s, in, target, kTileBudget, &launched);
+      if (launched || tiled != cudaSuccess) return tiled;
+      // One thread per BLOCK outputs; the kernels take the output count.
       const auto kernel =
           a.layout == kNCHW ? ScatterNchw<T, S> : ScatterNhwc<T, S>;
       const int64_t blocks = Groups(Groups(outputs, S::BLOCK), kThreads);
