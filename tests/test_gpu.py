@@ -145,20 +145,28 @@ def test_vmap_and_check_grads_on_gpu(gpu: jax.Device, rng: np.random.Generator) 
 
 
 def _specialised_cases() -> list:
-    """Every specialised window at every left padding up to k // 2, in rows wide
-    enough to span several warps of 16-byte chunks and short enough to leave
-    ragged row blocks, under each divisor rule."""
+    """Every specialised window at every left padding up to k // 2, under each
+    divisor rule (shapes in NCHW order). NCHW: rows wide enough to span several warps of 16-byte chunks
+    and short enough to leave ragged row blocks. NHWC: heights and widths that
+    leave ragged blocks of rows and columns, with channels that fill 16-byte
+    vectors and channels that do not."""
+    shapes = {
+        "NCHW": (
+            ((2, 3, 13, 8 * 37), {}),
+            ((3, 2, 11, 16), {"ceil_mode": True, "count_include_pad": False}),
+            ((1, 4, 9, 24), {"divisor_override": 5}),
+        ),
+        "NHWC": (
+            ((2, 24, 13, 19), {}),
+            ((3, 16, 11, 10), {"ceil_mode": True, "count_include_pad": False}),
+            ((1, 5, 10, 9), {"divisor_override": 5}),
+        ),
+    }
     params = []
     for k, s in ((2, 2), (3, 1), (3, 2), (7, 1)):
         for pad in range(k // 2 + 1):
-            for i, (shape, extra) in enumerate(
-                (
-                    ((2, 3, 13, 8 * 37), {}),
-                    ((3, 2, 11, 16), {"ceil_mode": True, "count_include_pad": False}),
-                    ((1, 4, 9, 24), {"divisor_override": 5}),
-                )
-            ):
-                for layout in ("NCHW", "NHWC"):
+            for layout in ("NCHW", "NHWC"):
+                for i, (shape, extra) in enumerate(shapes[layout]):
                     dtype = DTYPES[(k + pad + i) % 4]
                     case = TorchCase(shape, k, s, pad, layout=layout, **extra)
                     params.append(pytest.param(case, dtype, id=f"{case}-{dtype_name(dtype)}"))
