@@ -55,6 +55,41 @@ struct alignas(sizeof(T) * V) Vec {
   T v[V];
 };
 
+// The V elements at p (aligned to the whole vector) when `ok`, else zeros.
+// Moved as raw bits, so the zeros need no conversion (all-zero bits are +0
+// in every element type) and the compiler emits one predicated load rather
+// than a branch around it, which for 16-bit types kept loads from being in
+// flight together.
+template <int kBytes>
+struct RawBits;
+template <>
+struct RawBits<2> {
+  using type = unsigned short;
+};
+template <>
+struct RawBits<4> {
+  using type = unsigned int;
+};
+template <>
+struct RawBits<8> {
+  using type = uint2;
+};
+template <>
+struct RawBits<16> {
+  using type = uint4;
+};
+
+template <typename T, int V>
+__device__ __forceinline__ Vec<T, V> LoadOrZero(const T* p, bool ok) {
+  using Raw = typename RawBits<static_cast<int>(sizeof(T)) * V>::type;
+  Raw raw{};
+  if (ok) raw = *reinterpret_cast<const Raw*>(p);
+  Vec<T, V> v;
+  static_assert(sizeof(v) == sizeof(raw));
+  memcpy(&v, &raw, sizeof(v));
+  return v;
+}
+
 // ---------------------------------------------------------------------------
 // Constants: compile-time for a specialisation, runtime for the generic
 // kernel.

@@ -8,8 +8,10 @@
 //   rows and exchange the columns at chunk edges by warp shuffles; see
 //   "NCHW row kernels" below.
 // - NHWC kernels: a work item is BLOCK adjacent outputs (forward) or inputs
-//   (gather) along W of one row times one vector of V channels, so a warp's
-//   accesses are contiguous channel vectors.
+//   (gather) along W times one vector of V channels, so a warp's accesses
+//   are contiguous channel vectors; for the specialisations, of a block of
+//   rows, so that rows which vertically overlapping windows share are loaded
+//   once.
 // - Direct NCHW kernels for every other call: grid-stride loops over BLOCK
 //   adjacent outputs or inputs along W, and a shared-memory tiled gather for
 //   heavily overlapping generic windows.
@@ -83,8 +85,8 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// NHWC: a work item is (image n and output row oh, group g of BLOCK outputs,
-// vector v of V channels).
+// NHWC, generic: a work item is (image n and output row oh, group g of
+// BLOCK outputs, vector v of V channels).
 template <typename T, typename S, int V>
 __global__ void __launch_bounds__(kThreads)
     ForwardNhwc(const PoolAttrs a, const PoolShape s, const T* __restrict__ x,
@@ -112,11 +114,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int b = 0; b < B; ++b)
 #pragma unroll
       for (int e = 0; e < V; ++e) acc[b][e] = Acc(0);
-    // The window's rows: a compile-time count for a specialisation (rows
-    // outside the input predicated off, so that every load can be in flight
-    // at once), the clipped rows for the generic kernel.
-    const int64_t h_first = S::kGeneric ? wh.start : oh * k.sh - a.pad_top;
-    const int64_t rows = S::kGeneric ? wh.end - wh.start : k.kh;
+    const int64_t h_first = wh.start, rows = wh.end - wh.start;
 #pragma unroll
     for (int64_t dr = 0; dr < rows; ++dr) {
       const int64_t h = h_first + dr;
@@ -126,13 +124,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int64_t j = 0; j < ncol; ++j) {
         const int64_t c = c0 + j;
         const bool ok = row_ok && c >= 0 && c < W;
-        VecT v;
-        if (ok) {
-          v = *reinterpret_cast<const VecT*>(row + c * C);
-        } else {
-#pragma unroll
-          for (int e = 0; e < V; ++e) v.v[e] = T(0);
-        }
+        const VecT v = LoadOrZero<T, V>(row + c * C, ok);
 #pragma unroll
         for (int b = 0; b < B; ++b) {
           const int64_t kk = j - b * k.sw;
@@ -158,79 +150,121 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// NHWC, specialisations: the same work items, summed column by column: each
-// of the (BLOCK - 1) * SW + KW input columns under the outputs is summed over
-// the KH window rows once, then added to the outputs whose windows hold it
-// (known at compile time), instead of adding every element to each output.
-// All KH x columns loads are independent, rows and columns outside the input
-// predicated off.
-template <typename T, typename S, int V>
+// The divisor factor of a window along one axis (the override goes with the
+// rows): Divisor(a, wh, ww) is the product of the two, an exact small
+// integer, so 1 / divisor is taken as the product of the correctly rounded
+// reciprocals of the factors, within two ulps.
+template <typename Acc>
+__device__ __forceinline__ Acc WindowFactor(const PoolAttrs& a,
+                                            const Window& w, bool is_row) {
+  return a.divisor_mode == kCountPadded ? static_cast<Acc>(w.padded_count)
+         : a.divisor_mode == kCountReal ? static_cast<Acc>(w.end - w.start)
+         : is_row                       ? static_cast<Acc>(a.divisor_override)
+                                        : Acc(1);
+}
+
+// NHWC specialisations: how many output rows (forward) or input rows
+// (gather) a work item covers, so that the input rows which vertically
+// overlapping windows share are loaded once: four for stride 1, two for
+// stride 2, one when windows do not overlap vertically (with R x BLOCK x V
+// accumulators, 64 registers for float32). For the gather a multiple of SH,
+// and two for 3x3/1, which measured faster than four on the H200.
+template <typename S>
+constexpr int kNhwcRows = S::SH >= S::KH ? 1 : (S::SH == 1 ? 4 : 2);
+template <typename S>
+constexpr int kNhwcGatherRows =
+    S::SH >= S::KH ? S::SH : (S::SH == 1 && S::KH > 3 ? 4 : 2);
+
+// NHWC forward, specialisations: a work item is (image n, block of R output
+// rows, group of BLOCK outputs along W, vector of V channels). Each of the
+// (R - 1) * SH + KH input rows under the block is loaded once (the
+// (BLOCK - 1) * SW + KW columns under the group), summed along W into the
+// BLOCK window sums of that row, which are added to the output rows whose
+// windows hold the row (known at compile time). Rows and columns outside
+// the input are predicated off.
+template <typename T, typename S, int V, int R>
 __global__ void __launch_bounds__(kThreads)
-    ForwardNhwcColumns(const PoolAttrs a, const PoolShape s,
-                       const T* __restrict__ x, T* __restrict__ y,
-                       const int64_t total) {
+    ForwardNhwcRows(const PoolAttrs a, const PoolShape s,
+                    const T* __restrict__ x, T* __restrict__ y,
+                    const int64_t total) {
   using N = Num<T>;
   using Acc = typename N::Acc;
   using VecT = Vec<T, V>;
   constexpr int KH = S::KH, KW = S::KW, SH = S::SH, SW = S::SW, B = S::BLOCK;
-  constexpr int NCOL = (B - 1) * SW + KW;
+  constexpr int NCOL = (B - 1) * SW + KW;  // input columns per item
+  constexpr int NR = (R - 1) * SH + KH;    // input rows per item
   const int64_t H = s.in_h, W = s.in_w, OH = s.out_h, OW = s.out_w;
   const int64_t C = s.channels, CV = C / V;
-  const int64_t groups = (OW + B - 1) / B;
+  const int64_t groups = (OW + B - 1) / B, blocks = (OH + R - 1) / R;
   const bool narrow = total <= INT32_MAX;
   for (int64_t i = FirstThread(); i < total; i += ThreadCount()) {
     const Split3 at = Decompose(i, groups, CV, narrow);
-    const int64_t row_id = at.outer;  // n * OH + oh
-    const Split2 n_oh = DivMod(row_id, OH, narrow);
-    const int64_t n = n_oh.quot, oh = n_oh.rem;
+    const Split2 n_blk = DivMod(at.outer, blocks, narrow);
+    const int64_t n = n_blk.quot, oh0 = n_blk.rem * R;
     const int64_t ow0 = at.mid * B, c_off = at.inner * V;
-    const int64_t top = oh * SH - a.pad_top, c0 = ow0 * SW - a.pad_left;
-    Acc acc[B][V];
+    const int64_t top = oh0 * SH - a.pad_top, c0 = ow0 * SW - a.pad_left;
+    const T* image = x + n * H * W * C + c_off;
+    Acc acc[R][B][V];
 #pragma unroll
-    for (int b = 0; b < B; ++b)
+    for (int o = 0; o < R; ++o)
 #pragma unroll
-      for (int e = 0; e < V; ++e) acc[b][e] = Acc(0);
+      for (int b = 0; b < B; ++b)
 #pragma unroll
-    for (int j = 0; j < NCOL; ++j) {
-      const int64_t c = c0 + j;
-      const bool col_ok = c >= 0 && c < W;
-      Acc cs[V];  // column c summed over the window rows
+        for (int e = 0; e < V; ++e) acc[o][b][e] = Acc(0);
 #pragma unroll
-      for (int e = 0; e < V; ++e) cs[e] = Acc(0);
+    for (int r = 0; r < NR; ++r) {
+      const int64_t h = top + r;
+      const bool row_ok = h >= 0 && h < H;
+      Acc ws[B][V];  // row h summed over the columns of each window
 #pragma unroll
-      for (int r = 0; r < KH; ++r) {
-        const int64_t h = top + r;
-        const bool ok = col_ok && h >= 0 && h < H;
-        VecT v;
-        if (ok) {
-          v = *reinterpret_cast<const VecT*>(x + ((n * H + h) * W + c) * C +
-                                             c_off);
-        } else {
+      for (int b = 0; b < B; ++b)
 #pragma unroll
-          for (int e = 0; e < V; ++e) v.v[e] = T(0);
+        for (int e = 0; e < V; ++e) ws[b][e] = Acc(0);
+#pragma unroll
+      for (int j = 0; j < NCOL; ++j) {
+        const int64_t c = c0 + j;
+        const bool ok = row_ok && c >= 0 && c < W;
+        const VecT v = LoadOrZero<T, V>(image + (h * W + c) * C, ok);
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+          if (j - b * SW >= 0 && j - b * SW < KW) {
+#pragma unroll
+            for (int e = 0; e < V; ++e) ws[b][e] += N::Load(v.v[e]);
+          }
         }
-#pragma unroll
-        for (int e = 0; e < V; ++e) cs[e] += N::Load(v.v[e]);
       }
 #pragma unroll
-      for (int b = 0; b < B; ++b) {
-        if (j - b * SW >= 0 && j - b * SW < KW) {
+      for (int o = 0; o < R; ++o) {
+        if (r - o * SH >= 0 && r - o * SH < KH) {
 #pragma unroll
-          for (int e = 0; e < V; ++e) acc[b][e] += cs[e];
+          for (int b = 0; b < B; ++b)
+#pragma unroll
+            for (int e = 0; e < V; ++e) acc[o][b][e] += ws[b][e];
         }
       }
     }
-    const Window wh = WindowAt(oh, H, KH, SH, a.pad_top, a.pad_bottom);
+    Acc wf[B];
 #pragma unroll
     for (int b = 0; b < B; ++b) {
-      const int64_t ow = ow0 + b;
-      if (ow < OW) {
-        const Window ww = WindowAt(ow, W, KW, SW, a.pad_left, a.pad_right);
-        const Acc r = Reciprocal(static_cast<Acc>(Divisor(a, wh, ww)));
-        VecT out;
+      wf[b] = Reciprocal(WindowFactor<Acc>(
+          a, WindowAt(ow0 + b, W, KW, SW, a.pad_left, a.pad_right), false));
+    }
 #pragma unroll
-        for (int e = 0; e < V; ++e) out.v[e] = N::Store(acc[b][e] * r);
-        *reinterpret_cast<VecT*>(y + (row_id * OW + ow) * C + c_off) = out;
+    for (int o = 0; o < R; ++o) {
+      const int64_t oh = oh0 + o;
+      if (oh >= OH) break;
+      const Acc hf = Reciprocal(WindowFactor<Acc>(
+          a, WindowAt(oh, H, KH, SH, a.pad_top, a.pad_bottom), true));
+      T* out_row = y + ((n * OH + oh) * OW + ow0) * C + c_off;
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        if (ow0 + b < OW) {
+          VecT out;
+#pragma unroll
+          for (int e = 0; e < V; ++e)
+            out.v[e] = N::Store(acc[o][b][e] * (hf * wf[b]));
+          *reinterpret_cast<VecT*>(out_row + b * C) = out;
+        }
       }
     }
   }
@@ -282,8 +316,8 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// NHWC: a work item is (image n and input row h, group of BLOCK inputs,
-// vector of V channels).
+// NHWC, generic: a work item is (image n and input row h, group of BLOCK
+// inputs, vector of V channels).
 template <typename T, typename S, int V>
 __global__ void __launch_bounds__(kThreads)
     GatherNhwc(const PoolAttrs a, const PoolShape s, const T* __restrict__ dy,
@@ -312,14 +346,8 @@ __global__ void __launch_bounds__(kThreads)
     for (int b = 0; b < B; ++b)
 #pragma unroll
       for (int e = 0; e < V; ++e) acc[b][e] = Acc(0);
-    // How many dy rows and columns to visit: compile-time bounds for a
-    // specialisation (those past the cover predicated off, so that the loads
-    // need not wait for one another), the exact cover for the generic kernel.
-    constexpr int kRowsMax = S::kGeneric ? 1 : (S::KH - 1) / S::SH + 1;
-    constexpr int kColsMax =
-        S::kGeneric ? 1 : (S::BLOCK - 1 + S::KW - 1) / S::SW + 1;
-    const int64_t nrows = S::kGeneric ? ch.last - ch.first + 1 : kRowsMax;
-    const int64_t ncols = S::kGeneric ? ow_last - ow_first + 1 : kColsMax;
+    const int64_t nrows = ch.last - ch.first + 1;
+    const int64_t ncols = ow_last - ow_first + 1;
     // 1 / divisor = (1 / row factor) * (1 / column factor), within two ulps.
     const auto factor = [&](const Window& w) {
       return a.divisor_mode == kCountPadded ? static_cast<Acc>(w.padded_count)
@@ -343,13 +371,7 @@ __global__ void __launch_bounds__(kThreads)
         const Window ww = WindowAt(ok ? ow : ow_first, W, k.kw, k.sw,
                                    a.pad_left, a.pad_right);
         const Acc r = rh * Reciprocal(factor(ww));
-        VecT v;
-        if (ok) {
-          v = *reinterpret_cast<const VecT*>(grow + ow * C);
-        } else {
-#pragma unroll
-          for (int e = 0; e < V; ++e) v.v[e] = T(0);
-        }
+        const VecT v = LoadOrZero<T, V>(grow + ow * C, ok);
         Acc g[V];
 #pragma unroll
         for (int e = 0; e < V; ++e) g[e] = N::Load(v.v[e]) * r;
@@ -376,103 +398,114 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// NHWC gather, specialisations: the same work items, column by column. The
-// first dy column whose window reaches input column w0 (a multiple of
-// BLOCK, itself a multiple of SW) is ceil((w0 + pad_left - KW + 1) / SW);
-// its window starts KW - 1 - E columns before w0 for E = (KW - 1 -
-// pad_left) mod SW, a template parameter, so which dy column covers which
-// dx column is known at compile time. Per dy column: the quotients of the
-// dy rows that cover row h, summed, then added to the dx columns its window
-// holds. Divisors as per-axis reciprocal factors (one per row and column).
-template <typename T, typename S, int V, int E>
+// NHWC gather, specialisations: a work item is (image n, block of R input
+// rows, group of BLOCK inputs along W, vector of V channels), R and BLOCK
+// multiples of SH and SW. The first dy column whose window reaches column
+// w0 of the group is ceil((w0 + pad_left - KW + 1) / SW); as w0 is a
+// multiple of SW, its window starts KW - 1 - EW columns before w0 for EW =
+// (KW - 1 - pad_left) mod SW, and likewise for the rows with EH; both are
+// template parameters, so which dy row and column covers which dx row and
+// column is known at compile time. Each dy row over the block is loaded once:
+// its elements are divided by their column factors and summed along W into
+// the BLOCK dx columns they cover, and those sums, times the row's factor,
+// are added to the dx rows the dy row covers.
+template <typename T, typename S, int V, int R, int EW, int EH>
 __global__ void __launch_bounds__(kThreads)
-    GatherNhwcColumns(const PoolAttrs a, const PoolShape s,
-                      const T* __restrict__ dy, T* __restrict__ dx,
-                      const int64_t total) {
+    GatherNhwcRows(const PoolAttrs a, const PoolShape s,
+                   const T* __restrict__ dy, T* __restrict__ dx,
+                   const int64_t total) {
   using N = Num<T>;
   using Acc = typename N::Acc;
   using VecT = Vec<T, V>;
   constexpr int KH = S::KH, KW = S::KW, SH = S::SH, SW = S::SW, B = S::BLOCK;
-  static_assert(B % SW == 0 && E >= 0 && E < SW);
-  constexpr int NT = (KH - 1) / SH + 1;              // dy rows over row h
-  constexpr int NU = (B - 1 + KW - 1 - E) / SW + 1;  // dy columns over w0..
+  static_assert(B % SW == 0 && R % SH == 0);
+  static_assert(EW >= 0 && EW < SW && EH >= 0 && EH < SH);
+  constexpr int CW = KW - 1 - EW, CH = KH - 1 - EH;  // window starts before
+  constexpr int NU = (B - 1 + CW) / SW + 1;  // dy columns over the group
+  constexpr int NT = (R - 1 + CH) / SH + 1;  // dy rows over the block
   const int64_t H = s.in_h, W = s.in_w, OH = s.out_h, OW = s.out_w;
   const int64_t C = s.channels, CV = C / V;
-  const int64_t groups = (W + B - 1) / B;
+  const int64_t groups = (W + B - 1) / B, blocks = (H + R - 1) / R;
   const bool narrow = total <= INT32_MAX;
-  // The divisor factor of a window along one axis (the override goes with
-  // the rows).
-  const auto factor = [&](const Window& w, bool is_row) {
-    return a.divisor_mode == kCountPadded ? static_cast<Acc>(w.padded_count)
-           : a.divisor_mode == kCountReal ? static_cast<Acc>(w.end - w.start)
-           : is_row                       ? static_cast<Acc>(a.divisor_override)
-                                          : Acc(1);
-  };
   for (int64_t i = FirstThread(); i < total; i += ThreadCount()) {
     const Split3 at = Decompose(i, groups, CV, narrow);
-    const int64_t row_id = at.outer;  // n * H + h
-    const Split2 n_h = DivMod(row_id, H, narrow);
-    const int64_t n = n_h.quot, h = n_h.rem;
+    const Split2 n_blk = DivMod(at.outer, blocks, narrow);
+    const int64_t n = n_blk.quot, h0 = n_blk.rem * R;
     const int64_t w0 = at.mid * B, c_off = at.inner * V;
-    const int64_t ow_lo = (w0 + a.pad_left - KW + 1 + E) / SW;  // exact
-    const int64_t oh_lo = CoverOf(h, OH, KH, SH, a.pad_top).first;
-    const int64_t oh_hi = CoverOf(h, OH, KH, SH, a.pad_top).last;
-    Acc rh[NT];  // 1 / row factor, 0 for rows that do not cover h
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      const int64_t oh = oh_lo + t;
-      rh[t] = oh <= oh_hi
-                  ? Reciprocal(factor(
-                        WindowAt(oh, H, KH, SH, a.pad_top, a.pad_bottom), true))
-                  : Acc(0);
-    }
-    Acc acc[B][V];
-#pragma unroll
-    for (int b = 0; b < B; ++b)
-#pragma unroll
-      for (int e = 0; e < V; ++e) acc[b][e] = Acc(0);
+    const int64_t ow_lo = (w0 + a.pad_left - CW) / SW;  // exact
+    const int64_t oh_lo = (h0 + a.pad_top - CH) / SH;   // exact
+    const T* image = dy + n * OH * OW * C + c_off;
+    Acc wf[NU];  // 1 / column factor, 0 for columns outside dy
 #pragma unroll
     for (int u = 0; u < NU; ++u) {
       const int64_t ow = ow_lo + u;
-      const bool col_ok = ow >= 0 && ow < OW;
-      Acc vs[V];
+      wf[u] = ow >= 0 && ow < OW
+                  ? Reciprocal(WindowFactor<Acc>(
+                        a, WindowAt(ow, W, KW, SW, a.pad_left, a.pad_right),
+                        false))
+                  : Acc(0);
+    }
+    Acc acc[R][B][V];
 #pragma unroll
-      for (int e = 0; e < V; ++e) vs[e] = Acc(0);
+    for (int o = 0; o < R; ++o)
 #pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const int64_t oh = oh_lo + t;
-        const bool ok = col_ok && oh <= oh_hi;
-        VecT v;
-        if (ok) {
-          v = *reinterpret_cast<const VecT*>(
-              dy + ((n * OH + oh) * OW + ow) * C + c_off);
-        } else {
+      for (int b = 0; b < B; ++b)
 #pragma unroll
-          for (int e = 0; e < V; ++e) v.v[e] = T(0);
-        }
+        for (int e = 0; e < V; ++e) acc[o][b][e] = Acc(0);
 #pragma unroll
-        for (int e = 0; e < V; ++e) vs[e] += N::Load(v.v[e]) * rh[t];
+    for (int t = 0; t < NT; ++t) {
+      const int64_t oh = oh_lo + t;
+      const bool row_ok = oh >= 0 && oh < OH;
+      Acc q[NU][V];  // dy / column factor
+#pragma unroll
+      for (int u = 0; u < NU; ++u) {
+        const int64_t ow = ow_lo + u;
+        const bool ok = row_ok && ow >= 0 && ow < OW;
+        const VecT v = LoadOrZero<T, V>(image + (oh * OW + ow) * C, ok);
+#pragma unroll
+        for (int e = 0; e < V; ++e) q[u][e] = N::Load(v.v[e]) * wf[u];
       }
-      const Acc rw =
-          col_ok ? Reciprocal(factor(
-                       WindowAt(ow, W, KW, SW, a.pad_left, a.pad_right), false))
-                 : Acc(0);
+      const Acc hf = row_ok ? Reciprocal(WindowFactor<Acc>(
+                                  a,
+                                  WindowAt(oh, H, KH, SH, a.pad_top,
+                                           a.pad_bottom),
+                                  true))
+                            : Acc(0);
 #pragma unroll
       for (int b = 0; b < B; ++b) {
-        const int k = b + KW - 1 - E - u * SW;  // column w0 + b in window u
-        if (k >= 0 && k < KW) {
+        Acc cs[V];  // dy row oh over column w0 + b
 #pragma unroll
-          for (int e = 0; e < V; ++e) acc[b][e] += vs[e] * rw;
+        for (int e = 0; e < V; ++e) cs[e] = Acc(0);
+#pragma unroll
+        for (int u = 0; u < NU; ++u) {
+          const int k = b + CW - u * SW;  // column w0 + b in window u
+          if (k >= 0 && k < KW) {
+#pragma unroll
+            for (int e = 0; e < V; ++e) cs[e] += q[u][e];
+          }
+        }
+#pragma unroll
+        for (int o = 0; o < R; ++o) {
+          const int k = o + CH - t * SH;  // row h0 + o in window t
+          if (k >= 0 && k < KH) {
+#pragma unroll
+            for (int e = 0; e < V; ++e) acc[o][b][e] += cs[e] * hf;
+          }
         }
       }
     }
 #pragma unroll
-    for (int b = 0; b < B; ++b) {
-      if (w0 + b < W) {
-        VecT out;
+    for (int o = 0; o < R; ++o) {
+      if (h0 + o >= H) break;
+      T* out_row = dx + ((n * H + h0 + o) * W + w0) * C + c_off;
 #pragma unroll
-        for (int e = 0; e < V; ++e) out.v[e] = N::Store(acc[b][e]);
-        *reinterpret_cast<VecT*>(dx + (row_id * W + w0 + b) * C + c_off) = out;
+      for (int b = 0; b < B; ++b) {
+        if (w0 + b < W) {
+          VecT out;
+#pragma unroll
+          for (int e = 0; e < V; ++e) out.v[e] = N::Store(acc[o][b][e]);
+          *reinterpret_cast<VecT*>(out_row + b * C) = out;
+        }
       }
     }
   }
@@ -513,13 +546,7 @@ __device__ __forceinline__ void LoadRun(const T* p, bool ok,
   static_assert(kPiece % sizeof(T) == 0 && N % kPer == 0);
 #pragma unroll
   for (int q = 0; q < N / kPer; ++q) {
-    Vec<T, kPer> v;
-    if (ok) {
-      v = reinterpret_cast<const Vec<T, kPer>*>(p)[q];
-    } else {
-#pragma unroll
-      for (int e = 0; e < kPer; ++e) v.v[e] = T(0);
-    }
+    const Vec<T, kPer> v = LoadOrZero<T, kPer>(p + q * kPer, ok);
 #pragma unroll
     for (int e = 0; e < kPer; ++e) out[q * kPer + e] = Num<T>::Load(v.v[e]);
   }
@@ -878,23 +905,15 @@ constexpr int kRowsPerItem = S::SH == 1 ? 4 : 2;
 template <typename S>
 constexpr int kGatherRowsPerItem = 4;
 
-// Calls fn(std::integral_constant<int, e>) with the E of GatherNhwcColumns:
-// (KW - 1 - pad_left) mod SW.
-template <typename S, typename Fn>
-cudaError_t WithColumnPhase(int64_t pad_left, Fn&& fn) {
-  const int64_t e = ((S::KW - 1 - pad_left) % S::SW + S::SW) % S::SW;
-  if constexpr (S::SW == 2) {
-    if (e == 1) return fn(std::integral_constant<int, 1>{});
-  }
-  return fn(std::integral_constant<int, 0>{});
-}
-
-// Calls fn(std::integral_constant<int, e>) with the E of GatherNchwRows:
-// (-(pad_top - KH + 1)) mod SH.
-template <typename S, typename Fn>
-cudaError_t WithRowPhase(int64_t pad_top, Fn&& fn) {
-  const int64_t e = ((S::KH - 1 - pad_top) % S::SH + S::SH) % S::SH;
-  if constexpr (S::SH == 2) {
+// Calls fn(std::integral_constant<int, e>) with the phase of a gather's
+// first covering window along an axis of window K, stride ST and leading
+// padding `pad`: e = (K - 1 - pad) mod ST (the E of GatherNchwRows, the EW
+// and EH of GatherNhwcRows). The specialisations' strides are 1 or 2.
+template <int K, int ST, typename Fn>
+cudaError_t WithPhase(int64_t pad, Fn&& fn) {
+  static_assert(ST == 1 || ST == 2);
+  const int64_t e = ((K - 1 - pad) % ST + ST) % ST;
+  if constexpr (ST == 2) {
     if (e == 1) return fn(std::integral_constant<int, 1>{});
   }
   return fn(std::integral_constant<int, 0>{});
@@ -1013,16 +1032,22 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Channels per vector access in NHWC: 16 bytes when C and both buffers
-// allow it, else one.
+// allow it, else one. The row-block kernels of the specialisations take at
+// most four channels per thread (8-byte accesses for 16-bit types) when
+// their items span several rows: with eight, their accumulators and loaded
+// rows overflow the registers.
 template <typename T>
 constexpr int kWide = 16 / static_cast<int>(sizeof(T));
+template <typename T, typename S>
+constexpr int kNhwcWide =
+    S::SH >= S::KH || kWide<T> < 4 ? kWide<T> : 4;
 
-template <typename T>
+template <typename T, int V = kWide<T>>
 bool CanVectorise(const PoolShape& s, const void* in, const void* out) {
   const auto aligned = [](const void* p) {
-    return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+    return reinterpret_cast<uintptr_t>(p) % (sizeof(T) * V) == 0;
   };
-  return s.channels % kWide<T> == 0 && aligned(in) && aligned(out);
+  return s.channels % V == 0 && aligned(in) && aligned(out);
 }
 
 // Shared memory of a tiled block: aim for several blocks per multiprocessor,
@@ -1088,12 +1113,18 @@ cudaError_t LaunchForward(cudaStream_t stream, DType dtype, const PoolAttrs& a,
                       s, in, out);
       }
       if constexpr (!S::kGeneric) {
-        if (CanVectorise<T>(s, x, y)) {
-          return Launch(ForwardNhwcColumns<T, S, kWide<T>>, stream,
-                        rows * groups * (s.channels / kWide<T>), a, s, in, out);
+        const auto launch = [&](auto v) {
+          constexpr int V = decltype(v)::value;
+          constexpr int R = kNhwcRows<S>;
+          return Launch(ForwardNhwcRows<T, S, V, R>, stream,
+                        s.batch * Groups(s.out_h, R) * groups *
+                            (s.channels / V),
+                        a, s, in, out);
+        };
+        if (CanVectorise<T, kNhwcWide<T, S>>(s, x, y)) {
+          return launch(std::integral_constant<int, kNhwcWide<T, S>>{});
         }
-        return Launch(ForwardNhwcColumns<T, S, 1>, stream,
-                      rows * groups * s.channels, a, s, in, out);
+        return launch(std::integral_constant<int, 1>{});
       } else {
         if (CanVectorise<T>(s, x, y)) {
           return Launch(ForwardNhwc<T, S, kWide<T>>, stream,
@@ -1123,7 +1154,7 @@ cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
           const int64_t items =
               s.batch * s.channels * Groups(s.in_h, R) * chunks;
           return WithPadLeft<S::KW / 2>(a.pad_left, [&](auto pl) {
-            return WithRowPhase<S>(a.pad_top, [&](auto e) {
+            return WithPhase<S::KH, S::SH>(a.pad_top, [&](auto e) {
               return LaunchRows(GatherNchwRows<T, S, decltype(pl)::value,
                                                decltype(e)::value, R>,
                                 stream, items, a, s, in, out, chunks);
@@ -1157,16 +1188,23 @@ cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
                       s, in, out);
       }
       if constexpr (!S::kGeneric) {
-        return WithColumnPhase<S>(a.pad_left, [&](auto e) {
-          constexpr int kE = decltype(e)::value;
-          if (CanVectorise<T>(s, dy, dx)) {
-            return Launch(GatherNhwcColumns<T, S, kWide<T>, kE>, stream,
-                          rows * groups * (s.channels / kWide<T>), a, s, in,
-                          out);
-          }
-          return Launch(GatherNhwcColumns<T, S, 1, kE>, stream,
-                        rows * groups * s.channels, a, s, in, out);
-        });
+        const auto launch = [&](auto v) {
+          constexpr int V = decltype(v)::value;
+          constexpr int R = kNhwcGatherRows<S>;
+          const int64_t items =
+              s.batch * Groups(s.in_h, R) * groups * (s.channels / V);
+          return WithPhase<S::KW, S::SW>(a.pad_left, [&](auto ew) {
+            return WithPhase<S::KH, S::SH>(a.pad_top, [&](auto eh) {
+              return Launch(GatherNhwcRows<T, S, V, R, decltype(ew)::value,
+                                           decltype(eh)::value>,
+                            stream, items, a, s, in, out);
+            });
+          });
+        };
+        if (CanVectorise<T, kNhwcWide<T, S>>(s, dy, dx)) {
+          return launch(std::integral_constant<int, kNhwcWide<T, S>>{});
+        }
+        return launch(std::integral_constant<int, 1>{});
       } else {
         if (CanVectorise<T>(s, dy, dx)) {
           return Launch(GatherNhwc<T, S, kWide<T>>, stream,
