@@ -24,14 +24,17 @@ cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
 
 // The same gradient by scattering: the target is zeroed on `stream`, then
 // each dy / divisor is added to every element of its window with atomics.
-// The target is dx for float32 and float64; for 16-bit types it is
-// `workspace`, a float32 buffer of dx's shape, narrowed into dx afterwards
-// (nullptr is an error there).
+// The target is dx for float32 and float64. For 16-bit types it is dx
+// itself where the shared-memory tiles of cuda_scatter.cu apply with aligned
+// pairs of elements and one atomic per dx element (their float32 sums
+// rounded and added by paired 16-bit atomics), else `workspace`, a float32
+// buffer of dx's shape, narrowed into dx afterwards (nullptr is an error
+// there).
 cudaError_t LaunchBackwardScatter(cudaStream_t stream, DType dtype,
                                   const PoolAttrs& a, const PoolShape& s,
                                   const void* dy, void* dx, void* workspace);
 
-// Whether the scatter of `dtype` needs the float32 workspace.
+// Whether the scatter of `dtype` may need the float32 workspace.
 inline bool ScatterNeedsWorkspace(DType dtype) {
   return dtype == DType::kF16 || dtype == DType::kBF16;
 }

@@ -1,6 +1,9 @@
 // CUDA scatter backward: the target (dx, or the float32 workspace of a
 // 16-bit dx) is zeroed, then each dy / divisor is added with atomics to every
-// element of its window. See cuda_kernels.h.
+// element of its window. See cuda_kernels.h. Where the tiles below apply
+// with aligned pairs of elements and give each dx element a single atomic,
+// a 16-bit dx is the target itself: each tile's float32 sums are rounded
+// and added by paired 16-bit atomics.
 //
 // The main kernel (ScatterTiled) adds up on chip before it touches global
 // memory. Average pooling is separable: the contribution of a set of dy rows
@@ -303,6 +306,56 @@ __device__ __forceinline__ void AtomicAddVec(A* p, const Vec<A, V>& v) {
   }
 }
 
+// Adds a and b, rounded to T, to the adjacent 16-bit elements p[0] and p[1]
+// (4-byte aligned) with one atomic: the hardware's paired 16-bit atomic
+// where the architecture has it, else a compare-and-swap loop.
+template <typename T>
+__device__ __forceinline__ void CasAddPair(T* p, float a, float b) {
+  unsigned int* word = reinterpret_cast<unsigned int*>(p);
+  unsigned int seen = *word, expected;
+  do {
+    expected = seen;
+    Vec<T, 2> pair;
+    memcpy(&pair, &expected, sizeof(pair));
+    pair.v[0] = Num<T>::Store(Num<T>::Load(pair.v[0]) + a);
+    pair.v[1] = Num<T>::Store(Num<T>::Load(pair.v[1]) + b);
+    unsigned int bits;
+    memcpy(&bits, &pair, sizeof(bits));
+    seen = atomicCAS(word, expected, bits);
+  } while (seen != expected);
+}
+
+__device__ __forceinline__ void AtomicAddPair(__nv_bfloat16* p, float a,
+                                              float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  CasAddPair(p, a, b);
+#else
+  atomicAdd(reinterpret_cast<__nv_bfloat162*>(p), __floats2bfloat162_rn(a, b));
+#endif
+}
+
+__device__ __forceinline__ void AtomicAddPair(__half* p, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 600
+  CasAddPair(p, a, b);
+#else
+  atomicAdd(reinterpret_cast<__half2*>(p), __floats2half2_rn(a, b));
+#endif
+}
+
+// Adds V accumulated values to the target D: the accumulator type itself
+// (AtomicAddVec), or a 16-bit dx, rounded, by pairs (V even, p 4-byte
+// aligned).
+template <typename A, int V, typename D>
+__device__ __forceinline__ void AtomicAddTo(D* p, const Vec<A, V>& v) {
+  if constexpr (std::is_same_v<D, A>) {
+    AtomicAddVec<A, V>(p, v);
+  } else {
+    static_assert(V % 2 == 0 && sizeof(D) == 2);
+#pragma unroll
+    for (int e = 0; e < V; e += 2) AtomicAddPair(p + e, v.v[e], v.v[e + 1]);
+  }
+}
+
 // Starts a copy of kBytes (4, 8 or 16, aligned) from global to shared memory
 // that WaitCopies() completes; a plain copy before sm_80.
 template <int kBytes, typename D, typename S>
@@ -375,7 +428,9 @@ struct TileGeom {
 // ---------------------------------------------------------------------------
 // Tiled kernel. V: channels per vector (NHWC with C % 4 == 0 in float; else
 // 1). L: consecutive values per atomic in step 3, V in NHWC, 4 adjacent
-// columns in NCHW when W % 4 == 0 (else 1).
+// columns in NCHW when W % 4 == 0 (else 1). D: the target's element type,
+// the accumulator's, or a 16-bit dx itself (then L = 4: pairs of rounded
+// sums added by 16-bit paired atomics).
 //
 // Shared memory layout (positions of cs channels each):
 //   G: gm + P * nb * gp positions; G row i = (image, dy row) = (pl, r),
@@ -390,10 +445,10 @@ struct TileGeom {
 // then loads its windows' values without bounds checks: the windows it may
 // reach outside the tile (Margin() on either side) read zeros. Runs that
 // end past the tile check.
-template <typename T, typename S, int V, int L>
+template <typename T, typename S, int V, int L, typename D>
 __global__ void __launch_bounds__(kThreads, kTileBlocks)
     ScatterTiled(const TileGeom g, const T* __restrict__ dy,
-                 typename Num<T>::Acc* __restrict__ dx) {
+                 D* __restrict__ dx) {
   using N = Num<T>;
   using Acc = typename N::Acc;
   using VecA = Vec<Acc, V>;
@@ -616,8 +671,8 @@ __global__ void __launch_bounds__(kThreads, kTileBlocks)
         if (pl >= np || h0 >= he || w0 + xo >= w1) continue;
         // T value of dy row oh: tcol[(oh - oh0) * t_row].
         const Acc* const tcol = ts + pl * g.tp * t_row + xo * cs;
-        Acc* const out = dx + (img0 + pl) * g.image_stride + h0 * g.row_stride +
-                         static_cast<int64_t>(w0 + xo) * g.C + c0 + c_off;
+        D* const out = dx + (img0 + pl) * g.image_stride + h0 * g.row_stride +
+                       static_cast<int64_t>(w0 + xo) * g.C + c0 + c_off;
         if constexpr (kGeneric) {
           const int first = max(FirstCover(h0, kh, sh, g.pad_top), oh0);
           const int last = min(LastCover(h0, sh, g.pad_top), oh0 + nbt - 1);
@@ -625,7 +680,7 @@ __global__ void __launch_bounds__(kThreads, kTileBlocks)
           for (int oh = first; oh <= last; ++oh) {
             AddTo(acc, LoadVec<Acc, L>(tcol + (oh - oh0) * t_row));
           }
-          AtomicAddVec(out, acc);
+          AtomicAddTo(out, acc);
         } else {
           const int u = h0 + g.pad_top - S::KH + 1;
           const int q = FloorDiv<S::SH>(u);
@@ -639,7 +694,7 @@ __global__ void __launch_bounds__(kThreads, kTileBlocks)
                 acc);
 #pragma unroll
             for (int b = 0; b < kRh; ++b) {
-              AtomicAddVec(out + b * g.row_stride, acc[b]);
+              AtomicAddTo(out + b * g.row_stride, acc[b]);
             }
           } else {
             SumRun<S::KH, S::SH>(
@@ -653,7 +708,7 @@ __global__ void __launch_bounds__(kThreads, kTileBlocks)
                 acc);
 #pragma unroll
             for (int b = 0; b < kRh; ++b) {
-              if (b < n_out) AtomicAddVec(out + b * g.row_stride, acc[b]);
+              if (b < n_out) AtomicAddTo(out + b * g.row_stride, acc[b]);
             }
           }
         }
@@ -854,34 +909,51 @@ bool Aligned(const void* p, size_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
-// Launches the tiled kernel when it applies; *launched says whether it did.
-template <typename T, typename S>
+// Launches the tiled kernel when it applies, after zeroing the `elements` of
+// the target; *launched says whether it did. D: the accumulator type, or
+// T itself for a 16-bit dx, which takes the tiles' float32 sums rounded, by
+// pairs of 16-bit atomics, with no float32 workspace and no narrowing pass:
+// only where every atomic can take an aligned pair and every dx element
+// gets one atomic.
+template <typename T, typename S, typename D>
 cudaError_t LaunchTiled(cudaStream_t stream, const PoolAttrs& a,
-                        const PoolShape& s, const T* dy,
-                        typename Num<T>::Acc* target, int budget,
-                        bool* launched) {
+                        const PoolShape& s, const T* dy, D* target,
+                        int64_t elements, int budget, bool* launched) {
   using Acc = typename Num<T>::Acc;
   *launched = false;
   constexpr bool kFloat = std::is_same_v<Acc, float>;
+  constexpr bool kPairs = !std::is_same_v<D, Acc>;
+  static_assert(!kPairs || (kFloat && sizeof(D) == 2));
   int V = 1, L = 1;
-  if (kFloat && Aligned(target, 16)) {
+  if (kFloat && Aligned(target, 4 * sizeof(D))) {
     if (a.layout == kNCHW) {
       if (s.in_w % 4 == 0) L = 4;
     } else if (s.channels % 4 == 0 && Aligned(dy, 4 * sizeof(T))) {
       V = L = 4;
     }
   }
+  if (kPairs && L != 4) return cudaSuccess;
   TileGeom g;
   if (!PlanTiles(a, s, V, L, RunShapeOf<S>(V), sizeof(Acc), sizeof(T), budget,
                  &g)) {
     return cudaSuccess;
   }
-  auto kernel = ScatterTiled<T, S, 1, 1>;
+  // Each 16-bit atomic rounds: only where every dx element gets a single one
+  // (one band per image, or bands whose windows share no dx rows) is dx its
+  // float32 sum rounded once. Where two bands add to a row, the rounded
+  // halves of a sum that cancels could be many ulps off.
+  if (kPairs && g.bands > 1 && g.kh > g.sh) return cudaSuccess;
+  if (cudaError_t e = cudaMemsetAsync(
+          target, 0, static_cast<size_t>(elements) * sizeof(D), stream);
+      e != cudaSuccess) {
+    return e;
+  }
+  auto kernel = ScatterTiled < T, S, 1, kPairs ? 4 : 1, D > ;
   if constexpr (kFloat) {
     if (V == 4) {
-      kernel = ScatterTiled<T, S, 4, 4>;
+      kernel = ScatterTiled<T, S, 4, 4, D>;
     } else if (L == 4) {
-      kernel = ScatterTiled<T, S, 1, 4>;
+      kernel = ScatterTiled<T, S, 1, 4, D>;
     }
   }
   const unsigned blocks =
@@ -912,33 +984,48 @@ cudaError_t LaunchBackwardScatter(cudaStream_t stream, DType dtype,
     constexpr bool kNarrow = !std::is_same_v<T, Acc>;
     const int64_t elements = s.batch * s.channels * s.in_h * s.in_w;
     if (elements == 0) return cudaSuccess;
-    if (kNarrow && workspace == nullptr) return cudaErrorInvalidValue;
-    Acc* target = static_cast<Acc*>(kNarrow ? workspace : dx);
-    if (cudaError_t e = cudaMemsetAsync(
-            target, 0, static_cast<size_t>(elements) * sizeof(Acc), stream);
-        e != cudaSuccess) {
-      return e;
+    const int64_t outputs = s.batch * s.channels * s.out_h * s.out_w;
+    if (outputs == 0) {
+      return cudaMemsetAsync(dx, 0, static_cast<size_t>(elements) * sizeof(T),
+                             stream);
     }
     const T* in = static_cast<const T*>(dy);
-    const cudaError_t scattered = WithSpec(a, [&](auto spec) {
+    return WithSpec(a, [&](auto spec) {
       using S = decltype(spec);
-      const int64_t outputs = s.batch * s.channels * s.out_h * s.out_w;
-      if (outputs == 0) return cudaSuccess;
       bool launched = false;
-      const cudaError_t tiled =
-          LaunchTiled<T, S>(stream, a, s, in, target, kTileBudget, &launched);
-      if (launched || tiled != cudaSuccess) return tiled;
-      // One thread per BLOCK outputs; the kernels take the output count.
-      const auto kernel =
-          a.layout == kNCHW ? ScatterNchw<T, S> : ScatterNhwc<T, S>;
-      const int64_t blocks = Groups(Groups(outputs, S::BLOCK), kThreads);
-      kernel<<<static_cast<unsigned>(std::min<int64_t>(blocks, INT32_MAX)),
-               kThreads, 0, stream>>>(a, s, in, target, outputs);
-      return cudaGetLastError();
+      if constexpr (kNarrow) {
+        const cudaError_t direct =
+            LaunchTiled<T, S, T>(stream, a, s, in, static_cast<T*>(dx),
+                                 elements, kTileBudget, &launched);
+        if (launched || direct != cudaSuccess) return direct;
+        if (workspace == nullptr) return cudaErrorInvalidValue;
+      }
+      Acc* target = static_cast<Acc*>(kNarrow ? workspace : dx);
+      const cudaError_t tiled = LaunchTiled<T, S, Acc>(
+          stream, a, s, in, target, elements, kTileBudget, &launched);
+      if (tiled != cudaSuccess) return tiled;
+      if (!launched) {
+        if (cudaError_t e = cudaMemsetAsync(
+                target, 0, static_cast<size_t>(elements) * sizeof(Acc), stream);
+            e != cudaSuccess) {
+          return e;
+        }
+        // One thread per BLOCK outputs; the kernels take the output count.
+        const auto kernel =
+            a.layout == kNCHW ? ScatterNchw<T, S> : ScatterNhwc<T, S>;
+        const int64_t blocks = Groups(Groups(outputs, S::BLOCK), kThreads);
+        kernel<<<static_cast<unsigned>(std::min<int64_t>(blocks, INT32_MAX)),
+                 kThreads, 0, stream>>>(a, s, in, target, outputs);
+        if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+      }
+      if constexpr (!kNarrow) {
+        return cudaSuccess;
+      } else {
+        return Launch(Narrow<T>, stream, elements,
+                      static_cast<const float*>(workspace),
+                      static_cast<T*>(dx));
+      }
     });
-    if (scattered != cudaSuccess || !kNarrow) return scattered;
-    return Launch(Narrow<T>, stream, elements,
-                  static_cast<const float*>(workspace), static_cast<T*>(dx));
   });
 }
 

@@ -85,8 +85,9 @@ def _emit(platform: str, ctx, x, geometry: Geometry, transpose: bool, partitiona
     attrs = dict(geometry=geometry.attributes(), strategy=geometry.strategy_attribute())
     (dx,) = ctx.avals_out
     if platform == "cuda" and geometry.backward == "scatter" and dx.dtype in _SIXTEEN_BIT:
-        # The CUDA scatter accumulates 16-bit gradients with float32
-        # atomics: XLA provides the float32 workspace as a second result.
+        # Where its shared-memory tiles do not apply, the CUDA scatter
+        # accumulates 16-bit gradients with float32 atomics: XLA provides
+        # the float32 workspace as a second result.
         workspace = dx.update(dtype=np.dtype(np.float32), weak_type=False)
         ctx = ctx.replace(avals_out=[dx, workspace])
         lower = jax.ffi.ffi_lowering(_ffi.BACKWARD_TARGET, extra_attributes=extra(ctx))
