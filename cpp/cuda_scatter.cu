@@ -948,7 +948,8 @@ cudaError_t LaunchTiled(cudaStream_t stream, const PoolAttrs& a,
       e != cudaSuccess) {
     return e;
   }
-  auto kernel = ScatterTiled < T, S, 1, kPairs ? 4 : 1, D > ;
+  constexpr int kL = kPairs ? 4 : 1;  // pairs need runs of four
+  auto kernel = ScatterTiled<T, S, 1, kL, D>;
   if constexpr (kFloat) {
     if (V == 4) {
       kernel = ScatterTiled<T, S, 4, 4, D>;
