@@ -745,11 +745,13 @@ RunShape RunShapeOf(int V) {
 // columns, and for each the tallest band that fits the budget, or several
 // whole images. Each is scored by an estimate of its memory traffic per dx
 // element: the atomics (twice the halo rows' share, and whole 32-byte sectors
-// when a slice is narrower), the dy loads (more with narrower chunks), and a
-// per-tile cost.
+// when a slice of dx elements of dx_size bytes is narrower), the dy loads
+// (more with narrower chunks), and a per-tile cost. With `single_atomic`,
+// only tilings that give each dx element one atomic: one band per image, or
+// bands whose windows share no dx rows.
 bool PlanTiles(const PoolAttrs& a, const PoolShape& s, int V, int L,
-               const RunShape& run, int acc_size, int dy_size, int budget,
-               TileGeom* out) {
+               const RunShape& run, int acc_size, int dy_size, int dx_size,
+               bool single_atomic, int budget, TileGeom* out) {
   const bool nchw = a.layout == kNCHW;
   const int64_t channels = nchw ? 1 : s.channels;
   for (int64_t v : {s.batch, s.channels, s.in_h, s.in_w, s.out_h, s.out_w,
@@ -811,6 +813,8 @@ bool PlanTiles(const PoolAttrs& a, const PoolShape& s, int V, int L,
            rows_try = rows_try == 1 ? 0 : CeilDiv(rows_try, 2)) {
         const int64_t bands = CeilDiv(OH, rows_try);
         const int64_t nb = CeilDiv(OH, bands);
+        // Bands whose windows share dx rows add to them twice.
+        if (single_atomic && bands > 1 && kh > sh) break;
         // Several images per tile only with whole images (ScatterTiled's
         // step 1 relies on it).
         int64_t P = 1;
@@ -827,7 +831,7 @@ bool PlanTiles(const PoolAttrs& a, const PoolShape& s, int V, int L,
             bands == 1 ? 1.0
                        : std::max(1.0, static_cast<double>(rows) / (nb * sh));
         const double sector =
-            !nchw && cs * acc_size < 32 ? 32.0 / (cs * acc_size) : 1.0;
+            !nchw && cs * dx_size < 32 ? 32.0 / (cs * dx_size) : 1.0;
         const double loads =
             static_cast<double>(gw) / nw / sh * dy_size / acc_size;
         const double per_tile =
@@ -934,15 +938,14 @@ cudaError_t LaunchTiled(cudaStream_t stream, const PoolAttrs& a,
   }
   if (kPairs && L != 4) return cudaSuccess;
   TileGeom g;
-  if (!PlanTiles(a, s, V, L, RunShapeOf<S>(V), sizeof(Acc), sizeof(T), budget,
-                 &g)) {
-    return cudaSuccess;
-  }
   // Each 16-bit atomic rounds: only where every dx element gets a single one
   // (one band per image, or bands whose windows share no dx rows) is dx its
   // float32 sum rounded once. Where two bands add to a row, the rounded
   // halves of a sum that cancels could be many ulps off.
-  if (kPairs && g.bands > 1 && g.kh > g.sh) return cudaSuccess;
+  if (!PlanTiles(a, s, V, L, RunShapeOf<S>(V), sizeof(Acc), sizeof(T),
+                 sizeof(D), kPairs, budget, &g)) {
+    return cudaSuccess;
+  }
   if (cudaError_t e = cudaMemsetAsync(
           target, 0, static_cast<size_t>(elements) * sizeof(D), stream);
       e != cudaSuccess) {
