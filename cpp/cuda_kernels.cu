@@ -427,20 +427,13 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t nrows = ch.last - ch.first + 1;
     const int64_t ncols = ow_last - ow_first + 1;
     // 1 / divisor = (1 / row factor) * (1 / column factor), within two ulps.
-    const auto factor = [&](const Window& w) {
-      return a.divisor_mode == kCountPadded ? static_cast<Acc>(w.padded_count)
-             : a.divisor_mode == kCountReal ? static_cast<Acc>(w.end - w.start)
-                                            : Acc(1);
-    };
 #pragma unroll
     for (int64_t t = 0; t < nrows; ++t) {
       const int64_t oh = ch.first + t;
       const bool row_ok = oh <= ch.last;
       const Window wh = WindowAt(row_ok ? oh : ch.first, H, k.kh, k.sh,
                                  a.pad_top, a.pad_bottom);
-      const Acc rh = Reciprocal(a.divisor_mode == kOverride
-                                    ? static_cast<Acc>(a.divisor_override)
-                                    : factor(wh));
+      const Acc rh = Reciprocal(WindowFactor<Acc>(a, wh, true));
       const T* grow = dy + (n * OH + (row_ok ? oh : 0)) * OW * C + c_off;
 #pragma unroll
       for (int64_t u = 0; u < ncols; ++u) {
@@ -448,7 +441,7 @@ __global__ void __launch_bounds__(kThreads)
         const bool ok = row_ok && ow <= ow_last;
         const Window ww = WindowAt(ok ? ow : ow_first, W, k.kw, k.sw,
                                    a.pad_left, a.pad_right);
-        const Acc r = rh * Reciprocal(factor(ww));
+        const Acc r = rh * Reciprocal(WindowFactor<Acc>(a, ww, false));
         const VecT v = LoadOrZero<T, V>(grow + ow * C, ok);
         Acc g[V];
 #pragma unroll
