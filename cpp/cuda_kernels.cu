@@ -930,7 +930,8 @@ __global__ void __launch_bounds__(kThreads)
       } else {
 #pragma unroll
         for (int b = 0; b < B; ++b) {
-          q[t][b] = ok && ow0 + b < OW ? N::Load(grow[b]) : Acc(0);
+          q[t][b] = N::Load(
+              LoadOrZero<T, 1>(grow + b, ok && ow0 + b < OW).v[0]);
         }
       }
     }
@@ -1009,11 +1010,14 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Rows per work item of the row kernels: enough to share the rows that
-// vertically overlapping windows have in common.
+// vertically overlapping windows have in common. The gather of a 7-row
+// window takes 14 rows, which loads 20 dy rows per 14 dx rows instead of
+// 10 per 4; 11% faster in float32 and 24% in bfloat16 on the H200 (the
+// forward measured slower with more rows than 4).
 template <typename S>
 constexpr int kRowsPerItem = S::SH == 1 ? 4 : 2;
 template <typename S>
-constexpr int kGatherRowsPerItem = 4;
+constexpr int kGatherRowsPerItem = S::KH >= 5 ? 2 * S::KH : 4;
 
 // Calls fn(std::integral_constant<int, e>) with the phase of a gather's
 // first covering window along an axis of window K, stride ST and leading
