@@ -238,6 +238,15 @@ template <typename S>
 constexpr int kNhwcGatherRows =
     S::SH >= S::KH ? S::SH : (S::SH == 1 && S::KH > 3 ? 4 : 2);
 
+// Blocks per multiprocessor the NHWC forward row-block kernel is compiled
+// for: two for 3x3/2, whose float32 instance otherwise takes 134 registers
+// per thread (all 45 loads of an item hoisted), one block per
+// multiprocessor; capped at 128 it does not spill. 0 leaves the others to
+// the compiler: wider windows spill under the cap, and an explicit 1 lets
+// it take more registers than it does by default.
+template <typename S>
+constexpr int kNhwcForwardBlocks = S::KH == 3 && S::SH == 2 ? 2 : 0;
+
 // NHWC forward, specialisations: a work item is (image n, block of R output
 // rows, group of BLOCK outputs along W, vector of V channels). Each of the
 // (R - 1) * SH + KH input rows under the block is loaded once (the
@@ -246,7 +255,7 @@ constexpr int kNhwcGatherRows =
 // windows hold the row (known at compile time). Rows and columns outside
 // the input are predicated off.
 template <typename T, typename S, int V, int R>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kNhwcForwardBlocks<S>)
     ForwardNhwcRows(const PoolAttrs a, const PoolShape s,
                     const T* __restrict__ x, T* __restrict__ y,
                     const int64_t total) {
