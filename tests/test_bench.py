@@ -114,8 +114,11 @@ def test_train_step_bench() -> None:
     train = bench.train_step_bench(2, 8, (4, 8), FAST)
     assert train["custom_calls"] == {"forward": 2, "backward": 2}  # stem + 1 between stages
     assert train["ours_ms"] > 0 and train["xla_ms"] > 0 and train["speedup"] > 0
+    assert train["xla_unfused_ms"] > 0 and train["speedup_vs_unfused"] > 0
     assert train["loss_ours"] == pytest.approx(train["loss_xla"], rel=1e-5)
-    assert "speed-up" in bench.format_train(train)
+    assert train["loss_xla_unfused"] == pytest.approx(train["loss_xla"], rel=1e-5)
+    text = bench.format_train(train)
+    assert "speed-up" in text and "unfused" in text
 
 
 def test_cli_json(tmp_path, capsys) -> None:

@@ -146,10 +146,10 @@ def test_vmap_and_check_grads_on_gpu(gpu: jax.Device, rng: np.random.Generator) 
 
 def _specialised_cases() -> list:
     """Every specialised window at every left padding up to k // 2, under each
-    divisor rule (shapes in NCHW order). NCHW: rows wide enough to span several warps of 16-byte chunks
-    and short enough to leave ragged row blocks. NHWC: heights and widths that
-    leave ragged blocks of rows and columns, with channels that fill 16-byte
-    vectors and channels that do not."""
+    divisor rule (shapes in NCHW order). NCHW: rows wide enough to span several
+    warps of 16-byte chunks and short enough to leave ragged row blocks. NHWC:
+    heights and widths that leave ragged blocks of rows and columns, with
+    channels that fill 16-byte vectors and channels that do not."""
     shapes = {
         "NCHW": (
             ((2, 3, 13, 8 * 37), {}),
