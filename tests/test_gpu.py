@@ -149,7 +149,9 @@ def _specialised_cases() -> list:
     divisor rule (shapes in NCHW order). NCHW: rows wide enough to span several
     warps of 16-byte chunks and short enough to leave ragged row blocks. NHWC:
     heights and widths that leave ragged blocks of rows and columns, with
-    channels that fill 16-byte vectors and channels that do not."""
+    channels that fill 16-byte vectors and channels that do not, and wider
+    images whose channels make several slices of the shared-memory tiles of
+    the 7x7/1 window, in several ragged tiles."""
     shapes = {
         "NCHW": (
             ((2, 3, 13, 8 * 37), {}),
@@ -160,6 +162,8 @@ def _specialised_cases() -> list:
             ((2, 24, 13, 19), {}),
             ((3, 16, 11, 10), {"ceil_mode": True, "count_include_pad": False}),
             ((1, 5, 10, 9), {"divisor_override": 5}),
+            ((2, 64, 23, 30), {}),
+            ((1, 32, 40, 17), {"ceil_mode": True, "count_include_pad": False}),
         ),
     }
     params = []
