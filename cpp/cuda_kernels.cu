@@ -1211,10 +1211,11 @@ cudaError_t LaunchTiled(void (*kernel)(KArgs...), cudaStream_t stream,
 // sums along W in shared memory; then an item of four destination rows of
 // one column and vector sums those down H. Each source row is read once per
 // tile, rather than once per window row as in the register kernels, whose
-// reuse along H was bounded by registers. Used for windows of 5 rows or
-// more: on the H200 it took the NHWC 7x7/1 gather from 129 to 91 us
-// (float32) and 143 to 82 us (bfloat16), while the 3x3/1 register kernels
-// stayed faster.
+// reuse along H was bounded by registers. Used for 16-bit types and windows
+// of 5 rows or more: on the H200 it took the bfloat16 NHWC 7x7/1 forward
+// from 90 to 83 us and the gather from 137 to 105 us, while for float32 it
+// was slower than the register kernels (132 against 89 us forward, 154
+// against 125 us gather), as it was for 3x3/1.
 
 constexpr int kBoxVectors = 2;   // channel vectors of a slice
 constexpr int kBoxDownRows = 4;  // destination rows per item down H
@@ -1398,14 +1399,14 @@ bool ChooseBoxTiles(int KH, int KW, int B, int64_t dst_h, int64_t dst_w,
 }
 
 // Runs the box kernel for a stride-1 NHWC specialisation of 5 or more
-// window rows when it applies: channels in whole slices, 16-byte aligned
-// buffers, at most 32-bit element types and extents that fit 32-bit tile
+// window rows when it applies: 16-bit element types, channels in whole
+// slices, 16-byte aligned buffers and extents that fit 32-bit tile
 // arithmetic. Returns false to leave the call to the register kernels.
 template <typename T, bool kGather, typename S>
 bool TryBoxNhwc(cudaStream_t stream, const PoolAttrs& a, const PoolShape& s,
                 const T* src, T* dst, cudaError_t& err) {
   if constexpr (S::kGeneric || S::SH != 1 || S::SW != 1 || S::KH < 5 ||
-                sizeof(T) > 4) {
+                sizeof(T) != 2) {
     return false;
   } else {
     const auto aligned = [](const void* p) {
@@ -1432,15 +1433,13 @@ bool TryBoxNhwc(cudaStream_t stream, const PoolAttrs& a, const PoolShape& s,
     const size_t bytes =
         BoxBytes<T>(t.toh + S::KH - 1, t.tow, S::KW, S::BLOCK);
     const auto kernel = BoxNhwcTiled<T, S, kGather>;
-    // Above 48 KiB a kernel must opt in. Only then, and for this launch's
-    // bytes: with the maximum raised to the whole budget for every launch,
-    // the 20-30 KiB tiles of the 7x7 float32 calls ran 1.7x slower.
-    if (bytes > 48 * 1024) {
-      err = cudaFuncSetAttribute(kernel,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(bytes));
-      if (err != cudaSuccess) return true;
-    }
+    // Above 48 KiB a kernel must opt in: always to the whole budget, so that
+    // a launch of fewer bytes on another thread cannot lower the maximum
+    // under this one; at each launch, since attributes are per device.
+    err = cudaFuncSetAttribute(kernel,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(kBoxBudget));
+    if (err != cudaSuccess) return true;
     err = LaunchTiled(kernel, stream, blocks, bytes, a, s, src, dst, t);
     return true;
   }
