@@ -279,6 +279,22 @@ __device__ __forceinline__ int LastCover(int x, int s, int lo) {
   return (x + lo) / s;
 }
 
+// The sum of the vectors base[(o - lo) * stride] over the outputs o in
+// [lo, hi) whose windows (k, s, pad) cover position x: a generic tile's
+// pass along one axis.
+template <typename A, int V>
+__device__ __forceinline__ Vec<A, V> CoverSum(const A* base, int stride, int x,
+                                              int k, int s, int pad, int lo,
+                                              int hi) {
+  const int first = max(FirstCover(x, k, s, pad), lo);
+  const int last = min(LastCover(x, s, pad), hi - 1);
+  Vec<A, V> acc = Zero<A, V>();
+  for (int o = first; o <= last; ++o) {
+    AddTo(acc, LoadVec<A, V>(base + (o - lo) * stride));
+  }
+  return acc;
+}
+
 // The factor of one axis in Divisor(): the window of output o clipped to
 // [lo_clip, hi_clip), which is [-lo, in + hi) for WindowAt's padded count and
 // [0, in) for its real count.
@@ -621,13 +637,8 @@ __global__ void __launch_bounds__(kThreads, kTileBlocks)
         // G value of dy column ow: grow[(ow - ga) * cs].
         const Acc* const grow = gs + row * g_row;
         if constexpr (kGeneric) {
-          const int first = max(FirstCover(x0, kw, sw, g.pad_left), ga);
-          const int last = min(LastCover(x0, sw, g.pad_left), gb - 1);
-          VecA acc = Zero<Acc, V>();
-          for (int ow = first; ow <= last; ++ow) {
-            AddTo(acc, LoadVec<Acc, V>(grow + (ow - ga) * cs));
-          }
-          StoreVec(trow, acc);
+          StoreVec(trow, CoverSum<Acc, V>(grow, cs, x0, kw, sw, g.pad_left, ga,
+                                          gb));
         } else {
           const int u = x0 + g.pad_left - S::KW + 1;
           const int q = FloorDiv<S::SW>(u);
@@ -674,13 +685,8 @@ __global__ void __launch_bounds__(kThreads, kTileBlocks)
         D* const out = dx + (img0 + pl) * g.image_stride + h0 * g.row_stride +
                        static_cast<int64_t>(w0 + xo) * g.C + c0 + c_off;
         if constexpr (kGeneric) {
-          const int first = max(FirstCover(h0, kh, sh, g.pad_top), oh0);
-          const int last = min(LastCover(h0, sh, g.pad_top), oh0 + nbt - 1);
-          VecL acc = Zero<Acc, L>();
-          for (int oh = first; oh <= last; ++oh) {
-            AddTo(acc, LoadVec<Acc, L>(tcol + (oh - oh0) * t_row));
-          }
-          AtomicAddTo(out, acc);
+          AtomicAddTo(out, CoverSum<Acc, L>(tcol, t_row, h0, kh, sh, g.pad_top,
+                                            oh0, oh0 + nbt));
         } else {
           const int u = h0 + g.pad_top - S::KH + 1;
           const int q = FloorDiv<S::SH>(u);
