@@ -226,6 +226,36 @@ __device__ __forceinline__ Acc WindowFactor(const PoolAttrs& a, const Window& w,
                                         : Acc(1);
 }
 
+// Sets every element of an accumulator array of any rank to zero.
+template <typename Acc>
+__device__ __forceinline__ void FillZero(Acc& v) {
+  v = Acc(0);
+}
+template <typename Acc, int N>
+__device__ __forceinline__ void FillZero(Acc (&v)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) FillZero(v[i]);
+}
+
+// Stores the first min(n, B) of B adjacent NHWC positions, C elements apart,
+// each a vector of V channels: acc[b] times scale(b), narrowed.
+template <typename T, int B, int V, typename Acc, typename Scale>
+__device__ __forceinline__ void StoreChannelRun(T* row, int64_t C, int64_t n,
+                                                const Acc (&acc)[B][V],
+                                                Scale scale) {
+  using VecT = Vec<T, V>;
+#pragma unroll
+  for (int b = 0; b < B; ++b) {
+    if (b < n) {
+      const Acc f = scale(b);
+      VecT out;
+#pragma unroll
+      for (int e = 0; e < V; ++e) out.v[e] = Num<T>::Store(acc[b][e] * f);
+      *reinterpret_cast<VecT*>(row + b * C) = out;
+    }
+  }
+}
+
 // NHWC specialisations: how many output rows (forward) or input rows
 // (gather) a work item covers, so that the input rows which vertically
 // overlapping windows share are loaded once: four for stride 1, two for
@@ -277,12 +307,7 @@ __global__ void __launch_bounds__(kThreads, kNhwcForwardBlocks<S>)
     const int64_t top = oh0 * SH - a.pad_top, c0 = ow0 * SW - a.pad_left;
     const T* image = x + n * H * W * C + c_off;
     Acc acc[R][B][V];
-#pragma unroll
-    for (int o = 0; o < R; ++o)
-#pragma unroll
-      for (int b = 0; b < B; ++b)
-#pragma unroll
-        for (int e = 0; e < V; ++e) acc[o][b][e] = Acc(0);
+    FillZero(acc);
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
       const int64_t h = top + r;
@@ -342,17 +367,8 @@ __global__ void __launch_bounds__(kThreads, kNhwcForwardBlocks<S>)
       if (oh >= OH) break;
       const Acc hf = Reciprocal(WindowFactor<Acc>(
           a, WindowAt(oh, H, KH, SH, a.pad_top, a.pad_bottom), true));
-      T* out_row = y + ((n * OH + oh) * OW + ow0) * C + c_off;
-#pragma unroll
-      for (int b = 0; b < B; ++b) {
-        if (ow0 + b < OW) {
-          VecT out;
-#pragma unroll
-          for (int e = 0; e < V; ++e)
-            out.v[e] = N::Store(acc[o][b][e] * (hf * wf[b]));
-          *reinterpret_cast<VecT*>(out_row + b * C) = out;
-        }
-      }
+      StoreChannelRun<T>(y + ((n * OH + oh) * OW + ow0) * C + c_off, C,
+                         OW - ow0, acc[o], [&](int b) { return hf * wf[b]; });
     }
   }
 }
@@ -526,12 +542,7 @@ __global__ void __launch_bounds__(kThreads)
               : Acc(0);
     }
     Acc acc[R][B][V];
-#pragma unroll
-    for (int o = 0; o < R; ++o)
-#pragma unroll
-      for (int b = 0; b < B; ++b)
-#pragma unroll
-        for (int e = 0; e < V; ++e) acc[o][b][e] = Acc(0);
+    FillZero(acc);
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       const int64_t oh = oh_lo + t;
@@ -586,16 +597,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int o = 0; o < R; ++o) {
       if (h0 + o >= H) break;
-      T* out_row = dx + ((n * H + h0 + o) * W + w0) * C + c_off;
-#pragma unroll
-      for (int b = 0; b < B; ++b) {
-        if (w0 + b < W) {
-          VecT out;
-#pragma unroll
-          for (int e = 0; e < V; ++e) out.v[e] = N::Store(acc[o][b][e]);
-          *reinterpret_cast<VecT*>(out_row + b * C) = out;
-        }
-      }
+      StoreChannelRun<T>(dx + ((n * H + h0 + o) * W + w0) * C + c_off, C,
+                         W - w0, acc[o], [](int) { return Acc(1); });
     }
   }
 }
