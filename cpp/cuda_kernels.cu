@@ -11,7 +11,8 @@
 //   (gather) along W times one vector of V channels, so a warp's accesses
 //   are contiguous channel vectors; for the specialisations, of a block of
 //   rows, so that rows which vertically overlapping windows share are loaded
-//   once.
+//   once. For 16-bit types and stride-1 windows of 5 rows or more, shared-
+//   memory box tiles instead; see "NHWC, stride 1, through shared memory".
 // - Direct NCHW kernels for every other call: grid-stride loops over BLOCK
 //   adjacent outputs or inputs along W, and a shared-memory tiled gather for
 //   heavily overlapping generic windows.
