@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <string>
+#include <vector>
 
 #include "cuda_kernels.h"
 #include "ffi_common.h"
@@ -85,18 +86,23 @@ ffi::Error BackwardCuda(cudaStream_t stream,             // stream
                                    dy.untyped_data(), dx->untyped_data()),
         "backward gather");
   }
+  // The float32 workspace of dx's shape, the custom call's second result,
+  // where the lowering asked for one (ScatterNeedsWorkspace).
   void* workspace = nullptr;
-  if (cuda::ScatterNeedsWorkspace(dtype)) {
-    // A float32 buffer of dx's shape, the custom call's second result.
+  if (workspaces.size() > 0) {
     ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ws =
         workspaces.get<ffi::AnyBuffer>(0);
     if (ws.has_error() || (*ws)->element_type() != ffi::DataType::F32 ||
         (*ws)->element_count() != (*dx).element_count()) {
       return ffi::Error::InvalidArgument(
-          "jax_avgpool: a 16-bit scatter backward needs a second result, a "
-          "float32 workspace of dx's shape");
+          "jax_avgpool: a scatter backward's second result must be a float32 "
+          "workspace of dx's shape");
     }
     workspace = (*ws)->untyped_data();
+  } else if (cuda::ScatterNeedsWorkspace(dtype, geometry, s)) {
+    return ffi::Error::InvalidArgument(
+        "jax_avgpool: this 16-bit scatter backward needs a second result, a "
+        "float32 workspace of dx's shape");
   }
   return FromCuda(
       cuda::LaunchBackwardScatter(stream, dtype, geometry, s, dy.untyped_data(),
@@ -105,6 +111,17 @@ ffi::Error BackwardCuda(cudaStream_t stream,             // stream
 }
 
 }  // namespace
+
+bool CudaScatterNeedsWorkspace(const PoolAttrs& a,
+                               const std::vector<int64_t>& dx_dims,
+                               const std::string& dtype) {
+  const cuda::DType type = dtype == "f16"    ? cuda::DType::kF16
+                           : dtype == "bf16" ? cuda::DType::kBF16
+                           : dtype == "f32"  ? cuda::DType::kF32
+                                             : cuda::DType::kF64;
+  return cuda::ScatterNeedsWorkspace(type, a, FoldShape(a, dx_dims));
+}
+
 }  // namespace jax_avgpool
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

@@ -34,10 +34,13 @@ cudaError_t LaunchBackwardScatter(cudaStream_t stream, DType dtype,
                                   const PoolAttrs& a, const PoolShape& s,
                                   const void* dy, void* dx, void* workspace);
 
-// Whether the scatter of `dtype` may need the float32 workspace.
-inline bool ScatterNeedsWorkspace(DType dtype) {
-  return dtype == DType::kF16 || dtype == DType::kBF16;
-}
+// Whether the scatter of `dtype` needs the float32 workspace for a call of
+// attributes `a` and shape `s` with 16-byte aligned buffers (XLA's are):
+// for 16-bit types where the paired-atomic tiles do not apply, never for
+// float32 and float64. Host code; the batch does not change the answer, so
+// a call split over devices along its leading axes needs the workspace on
+// every device or on none.
+bool ScatterNeedsWorkspace(DType dtype, const PoolAttrs& a, const PoolShape& s);
 
 }  // namespace jax_avgpool::cuda
 

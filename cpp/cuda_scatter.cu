@@ -925,6 +925,36 @@ bool Aligned(const void* p, size_t bytes) {
 // pairs of 16-bit atomics, with no float32 workspace and no narrowing pass:
 // only where every atomic can take an aligned pair and every dx element
 // gets one atomic.
+// Plans the tiled kernel's launch for a target of type D, given whether the
+// target and dy are aligned to four elements: the vector widths V and L of
+// ScatterTiled and the tile, or false when the tiled kernel does not apply.
+// The answer depends on the batch only through the tile's shape, never on
+// whether the kernel applies.
+template <typename T, typename S, typename D>
+bool PlanScatterTiles(const PoolAttrs& a, const PoolShape& s,
+                      bool target_aligned, bool dy_aligned, int budget, int* V,
+                      int* L, TileGeom* g) {
+  using Acc = typename Num<T>::Acc;
+  constexpr bool kFloat = std::is_same_v<Acc, float>;
+  constexpr bool kPairs = !std::is_same_v<D, Acc>;
+  static_assert(!kPairs || (kFloat && sizeof(D) == 2));
+  *V = *L = 1;
+  if (kFloat && target_aligned) {
+    if (a.layout == kNCHW) {
+      if (s.in_w % 4 == 0) *L = 4;
+    } else if (s.channels % 4 == 0 && dy_aligned) {
+      *V = *L = 4;
+    }
+  }
+  if (kPairs && *L != 4) return false;
+  // Each 16-bit atomic rounds: only where every dx element gets a single one
+  // (one band per image, or bands whose windows share no dx rows) is dx its
+  // float32 sum rounded once. Where two bands add to a row, the rounded
+  // halves of a sum that cancels could be many ulps off.
+  return PlanTiles(a, s, *V, *L, RunShapeOf<S>(*V), sizeof(Acc), sizeof(T),
+                   sizeof(D), kPairs, budget, g);
+}
+
 template <typename T, typename S, typename D>
 cudaError_t LaunchTiled(cudaStream_t stream, const PoolAttrs& a,
                         const PoolShape& s, const T* dy, D* target,
@@ -933,23 +963,11 @@ cudaError_t LaunchTiled(cudaStream_t stream, const PoolAttrs& a,
   *launched = false;
   constexpr bool kFloat = std::is_same_v<Acc, float>;
   constexpr bool kPairs = !std::is_same_v<D, Acc>;
-  static_assert(!kPairs || (kFloat && sizeof(D) == 2));
-  int V = 1, L = 1;
-  if (kFloat && Aligned(target, 4 * sizeof(D))) {
-    if (a.layout == kNCHW) {
-      if (s.in_w % 4 == 0) L = 4;
-    } else if (s.channels % 4 == 0 && Aligned(dy, 4 * sizeof(T))) {
-      V = L = 4;
-    }
-  }
-  if (kPairs && L != 4) return cudaSuccess;
+  int V, L;
   TileGeom g;
-  // Each 16-bit atomic rounds: only where every dx element gets a single one
-  // (one band per image, or bands whose windows share no dx rows) is dx its
-  // float32 sum rounded once. Where two bands add to a row, the rounded
-  // halves of a sum that cancels could be many ulps off.
-  if (!PlanTiles(a, s, V, L, RunShapeOf<S>(V), sizeof(Acc), sizeof(T),
-                 sizeof(D), kPairs, budget, &g)) {
+  if (!PlanScatterTiles<T, S, D>(a, s, Aligned(target, 4 * sizeof(D)),
+                                 Aligned(dy, 4 * sizeof(T)), budget, &V, &L,
+                                 &g)) {
     return cudaSuccess;
   }
   if (cudaError_t e = cudaMemsetAsync(
@@ -983,7 +1001,35 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Whether the scatter of 16-bit T needs the float32 workspace, for buffers
+// aligned to 16 bytes: where the paired-atomic tiles do not apply.
+template <typename T>
+bool NeedsWorkspace(const PoolAttrs& a, const PoolShape& s) {
+  if (s.batch * s.channels * s.in_h * s.in_w == 0 ||
+      s.batch * s.channels * s.out_h * s.out_w == 0) {
+    return false;
+  }
+  return WithSpec(a, [&](auto spec) {
+    int V, L;
+    TileGeom g;
+    return !PlanScatterTiles<T, decltype(spec), T>(a, s, true, true,
+                                                   kTileBudget, &V, &L, &g);
+  });
+}
+
 }  // namespace
+
+bool ScatterNeedsWorkspace(DType dtype, const PoolAttrs& a,
+                           const PoolShape& s) {
+  switch (dtype) {
+    case DType::kF16:
+      return NeedsWorkspace<__half>(a, s);
+    case DType::kBF16:
+      return NeedsWorkspace<__nv_bfloat16>(a, s);
+    default:
+      return false;
+  }
+}
 
 cudaError_t LaunchBackwardScatter(cudaStream_t stream, DType dtype,
                                   const PoolAttrs& a, const PoolShape& s,

@@ -91,14 +91,12 @@ inline ffi::Error CheckShapes(const PoolAttrs& a, const ffi::AnyBuffer& in,
         DimsToString(di) + " and " + DimsToString(dout));
   }
   const size_t r = di.size();
-  int64_t batch = 1;
   for (size_t i = 0; i + 3 < r; ++i) {
     if (di[i] != dout[i]) {
       return ffi::Error::InvalidArgument(
           "jax_avgpool: leading dimensions differ between " + DimsToString(di) +
           " and " + DimsToString(dout));
     }
-    batch *= di[i];
   }
   const bool nhwc = a.layout == kNHWC;
   const size_t ch = nhwc ? r - 1 : r - 3;
@@ -109,17 +107,15 @@ inline ffi::Error CheckShapes(const PoolAttrs& a, const ffi::AnyBuffer& in,
         "jax_avgpool: channel dimensions differ between " + DimsToString(di) +
         " and " + DimsToString(dout));
   }
-  const int64_t oh = PooledSize(di[hh], a.kernel_h, a.stride_h, a.pad_top,
-                                a.pad_bottom, a.ceil_mode != 0);
-  const int64_t ow = PooledSize(di[ww], a.kernel_w, a.stride_w, a.pad_left,
-                                a.pad_right, a.ceil_mode != 0);
+  const PoolShape folded = FoldShape(a, di);
+  const int64_t oh = folded.out_h, ow = folded.out_w;
   if (oh < 1 || ow < 1 || oh != dout[hh] || ow != dout[ww]) {
     return ffi::Error::InvalidArgument(
         "jax_avgpool: pooled size of " + DimsToString(di) + " is (" +
         std::to_string(oh) + ", " + std::to_string(ow) +
         ") but the output buffer is " + DimsToString(dout));
   }
-  *shape = PoolShape{batch, di[ch], di[hh], di[ww], oh, ow};
+  *shape = folded;
   return ffi::Error::Success();
 }
 

@@ -2,10 +2,12 @@
 // platform, and a description of how it was built.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "cpu_kernels.h"
 #if defined(JAX_AVGPOOL_WITH_CUDA)
@@ -61,18 +63,22 @@ nb::dict BuildInfo() {
   return info;
 }
 
+// The attributes from the `geometry` dictionary of a custom call.
+jax_avgpool::PoolAttrs AttrsOf(const nb::dict& geometry) {
+  const auto get = [&](const char* key) {
+    return nb::cast<int64_t>(geometry[key]);
+  };
+  return {get("kernel_h"),     get("kernel_w"),         get("stride_h"),
+          get("stride_w"),     get("pad_top"),          get("pad_bottom"),
+          get("pad_left"),     get("pad_right"),        get("ceil_mode"),
+          get("divisor_mode"), get("divisor_override"), get("layout")};
+}
+
 // The id of the kernel that `op` ("forward", "backward_gather" or
 // "backward_scatter") launches for these attributes and dtype name.
 std::string KernelIdOf(const std::string& op, const nb::dict& geometry,
                        const std::string& dtype) {
-  const auto get = [&](const char* key) {
-    return nb::cast<int64_t>(geometry[key]);
-  };
-  jax_avgpool::PoolAttrs a{
-      get("kernel_h"),     get("kernel_w"),         get("stride_h"),
-      get("stride_w"),     get("pad_top"),          get("pad_bottom"),
-      get("pad_left"),     get("pad_right"),        get("ceil_mode"),
-      get("divisor_mode"), get("divisor_override"), get("layout")};
+  const jax_avgpool::PoolAttrs a = AttrsOf(geometry);
   using jax_avgpool::Op;
   Op kind;
   if (op == "forward") {
@@ -87,6 +93,18 @@ std::string KernelIdOf(const std::string& op, const nb::dict& geometry,
   return jax_avgpool::KernelIdFor(kind, a, dtype);
 }
 
+#if defined(JAX_AVGPOOL_WITH_CUDA)
+// Whether the CUDA scatter backward of dx (shape `dx_shape`, the pooled
+// side) needs its float32 workspace result.
+bool ScatterNeedsWorkspaceOf(const nb::dict& geometry,
+                             const std::vector<int64_t>& dx_shape,
+                             const std::string& dtype) {
+  if (dx_shape.size() < 3) throw nb::value_error("dx_shape: rank below 3");
+  return jax_avgpool::CudaScatterNeedsWorkspace(AttrsOf(geometry), dx_shape,
+                                                dtype);
+}
+#endif
+
 }  // namespace
 
 NB_MODULE(_jax_avgpool, m) {
@@ -96,4 +114,9 @@ NB_MODULE(_jax_avgpool, m) {
   m.def("build_info", &BuildInfo, "How this extension was built.");
   m.def("kernel_id", &KernelIdOf, nb::arg("op"), nb::arg("geometry"),
         nb::arg("dtype"), "Id of the kernel a call launches.");
+#if defined(JAX_AVGPOOL_WITH_CUDA)
+  m.def("cuda_scatter_needs_workspace", &ScatterNeedsWorkspaceOf,
+        nb::arg("geometry"), nb::arg("dx_shape"), nb::arg("dtype"),
+        "Whether the CUDA scatter backward needs its float32 workspace.");
+#endif
 }

@@ -142,6 +142,30 @@ struct PoolShape {
   int64_t out_h, out_w;
 };
 
+// The logical shape of a call whose pooled side (x for the forward, dx for
+// the backward) has the dimensions `dims` (any indexable sequence of rank 3
+// or more): all but the last three folded into the batch, the pooled sizes
+// from the attributes.
+template <typename Dims>
+PoolShape FoldShape(const PoolAttrs& a, const Dims& dims) {
+  const size_t r = dims.size();
+  int64_t batch = 1;
+  for (size_t i = 0; i + 3 < r; ++i) batch *= dims[i];
+  const bool nhwc = a.layout == kNHWC;
+  const int64_t c = dims[nhwc ? r - 1 : r - 3];
+  const int64_t h = dims[nhwc ? r - 3 : r - 2];
+  const int64_t w = dims[nhwc ? r - 2 : r - 1];
+  return PoolShape{
+      batch,
+      c,
+      h,
+      w,
+      PooledSize(h, a.kernel_h, a.stride_h, a.pad_top, a.pad_bottom,
+                 a.ceil_mode != 0),
+      PooledSize(w, a.kernel_w, a.stride_w, a.pad_left, a.pad_right,
+                 a.ceil_mode != 0)};
+}
+
 }  // namespace jax_avgpool
 
 #endif  // JAX_AVGPOOL_POOLING_H_
