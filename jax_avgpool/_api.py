@@ -118,9 +118,6 @@ def avg_pool(
     return pool_p.bind(inputs, geometry=geometry)
 
 
-_DTYPE_NAMES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}
-
-
 def plan(
     x: Any,
     kernel_size: IntOrPair,
@@ -166,7 +163,7 @@ def plan(
             f"(built for: {', '.join(_ffi.REGISTERED_PLATFORMS)})"
         )
     attrs = {k: int(v) for k, v in geometry.attributes().items()}
-    name = _DTYPE_NAMES[dtype.name]
+    name = _ffi.DTYPE_NAMES[dtype.name]
     return {
         "platform": platform,
         "forward": _ffi.kernel_id("forward", attrs, name),

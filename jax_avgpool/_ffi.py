@@ -33,9 +33,26 @@ def _register() -> tuple[str, ...]:
 REGISTERED_PLATFORMS = _register()
 
 
+# The element types' names in kernel ids.
+DTYPE_NAMES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}
+
+
 def kernel_id(op: str, geometry: dict[str, int], dtype: str) -> str:
     """Id of the kernel that ``op`` launches (cpp/kernel_spec.h names them)."""
     return _ext.kernel_id(op, geometry, dtype)
+
+
+def cuda_scatter_needs_workspace(geometry: dict[str, int], dx: Any) -> bool:
+    """Whether the CUDA scatter backward into ``dx`` (its abstract value) needs its workspace.
+
+    Only a CUDA build has the answer, and only 16-bit types ever say yes: where
+    the shared-memory tiles cannot add to dx itself with paired 16-bit atomics.
+    The batch (every axis before the last three) does not change it.
+    """
+    attrs = {k: int(v) for k, v in geometry.items()}
+    return bool(
+        _ext.cuda_scatter_needs_workspace(attrs, list(dx.shape), DTYPE_NAMES[dx.dtype.name])
+    )
 
 
 def extension_info() -> dict[str, Any]:

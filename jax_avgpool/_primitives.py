@@ -84,9 +84,14 @@ def _emit(platform: str, ctx, x, geometry: Geometry, transpose: bool, partitiona
         return lower(ctx, x, geometry=geometry.attributes())
     attrs = dict(geometry=geometry.attributes(), strategy=geometry.strategy_attribute())
     (dx,) = ctx.avals_out
-    if platform == "cuda" and geometry.backward == "scatter" and dx.dtype in _SIXTEEN_BIT:
-        # Where its shared-memory tiles do not apply, the CUDA scatter
-        # accumulates 16-bit gradients with float32 atomics: XLA provides
+    if (
+        platform == "cuda"
+        and geometry.backward == "scatter"
+        and dx.dtype in _SIXTEEN_BIT
+        and _ffi.cuda_scatter_needs_workspace(geometry.attributes(), dx)
+    ):
+        # Where its shared-memory tiles cannot add to a 16-bit dx directly,
+        # the CUDA scatter accumulates with float32 atomics: XLA provides
         # the float32 workspace as a second result.
         workspace = dx.update(dtype=np.dtype(np.float32), weak_type=False)
         ctx = ctx.replace(avals_out=[dx, workspace])

@@ -14,6 +14,7 @@ from cases import (
     F32,
     F64,
     FLAX_CASES,
+    LOW_PRECISION,
     TORCH_CASES,
     FlaxCase,
     TorchCase,
@@ -142,6 +143,42 @@ def test_vmap_and_check_grads_on_gpu(gpu: jax.Device, rng: np.random.Generator) 
     xs = jax.device_put(jnp.asarray(np.moveaxis(stacked, 0, 2)), gpu)
     assert_close(jax.vmap(f, in_axes=2)(xs), case.oracle_forward(stacked), F64)
     check_grads(f, (xs[:, :, 0],), order=2, modes=("fwd", "rev"))
+
+
+@pytest.mark.parametrize(
+    ("shape", "layout", "workspace"),
+    [
+        ((2, 3, 12, 16), "NCHW", False),  # rows of whole runs of four
+        ((2, 3, 12, 13), "NCHW", True),  # ragged rows
+        ((2, 8, 12, 12), "NHWC", False),  # channels in runs of four
+        ((2, 6, 12, 12), "NHWC", True),  # ragged channels
+    ],
+)
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_name)
+def test_16bit_scatter_gets_a_workspace_only_where_it_needs_one(
+    shape: tuple,
+    layout: str,
+    workspace: bool,
+    dtype: np.dtype,
+    gpu: jax.Device,
+    rng: np.random.Generator,
+) -> None:
+    """The lowering gives the CUDA 16-bit scatter its float32 workspace (a second
+    result) only where its tiles cannot add to dx itself with paired 16-bit atomics
+    (shapes in NCHW order); the gradient matches the oracle either way."""
+    case = TorchCase(shape, 3, 2, 1, layout=layout)
+    x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
+    xs, gs = _on(gpu, x, g)
+
+    def pull(x, g):
+        return jax.vjp(functools.partial(avg_pool2d, **case.kwargs("scatter")), x)[1](g)[0]
+
+    text = jax.jit(pull).lower(xs, gs).as_text()
+    calls = [line for line in text.splitlines() if "@jax_avgpool_backward" in line]
+    assert len(calls) == 1, text
+    assert ("xf32>" in calls[0]) == workspace, calls[0]
+    with dtype_mode(dtype):
+        assert_close(jax.jit(pull)(xs, gs), case.oracle_vjp(g), dtype, "scatter gradient")
 
 
 def _specialised_cases() -> list:
