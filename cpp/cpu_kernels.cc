@@ -543,11 +543,11 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool,             // thread pool
                        ffi::Result<ffi::AnyBuffer> y,    // y
                        ffi::Dictionary geometry_attr) {  // geometry
   PoolAttrs geometry;
-  if (ffi::Error e = DecodeGeometry(geometry_attr, &geometry); e.failure()) {
+  PoolShape s;
+  if (ffi::Error e = DecodeCall(geometry_attr, x, *y, &geometry, &s);
+      e.failure()) {
     return e;
   }
-  PoolShape s;
-  if (ffi::Error e = CheckShapes(geometry, x, *y, &s); e.failure()) return e;
   return DispatchFloat(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     const T* in = static_cast<const T*>(x.untyped_data());
@@ -573,11 +573,11 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool,            // thread pool
                         int64_t strategy) {              // strategy
   if (ffi::Error e = CheckStrategy(strategy); e.failure()) return e;
   PoolAttrs geometry;
-  if (ffi::Error e = DecodeGeometry(geometry_attr, &geometry); e.failure()) {
+  PoolShape s;
+  if (ffi::Error e = DecodeCall(geometry_attr, *dx, dy, &geometry, &s);
+      e.failure()) {
     return e;
   }
-  PoolShape s;
-  if (ffi::Error e = CheckShapes(geometry, *dx, dy, &s); e.failure()) return e;
   return DispatchFloat(dy.element_type(), [&](auto tag) {
     using T = decltype(tag);
     const T* g = static_cast<const T*>(dy.untyped_data());

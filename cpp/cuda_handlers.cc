@@ -49,11 +49,11 @@ ffi::Error ForwardCuda(cudaStream_t stream,              // stream
                        ffi::Result<ffi::AnyBuffer> y,    // y
                        ffi::Dictionary geometry_attr) {  // geometry
   PoolAttrs geometry;
-  if (ffi::Error e = DecodeGeometry(geometry_attr, &geometry); e.failure()) {
+  PoolShape s;
+  if (ffi::Error e = DecodeCall(geometry_attr, x, *y, &geometry, &s);
+      e.failure()) {
     return e;
   }
-  PoolShape s;
-  if (ffi::Error e = CheckShapes(geometry, x, *y, &s); e.failure()) return e;
   cuda::DType dtype;
   if (!ToDType(x.element_type(), &dtype)) {
     return UnsupportedType(x.element_type());
@@ -71,11 +71,11 @@ ffi::Error BackwardCuda(cudaStream_t stream,             // stream
                         int64_t strategy) {              // strategy
   if (ffi::Error e = CheckStrategy(strategy); e.failure()) return e;
   PoolAttrs geometry;
-  if (ffi::Error e = DecodeGeometry(geometry_attr, &geometry); e.failure()) {
+  PoolShape s;
+  if (ffi::Error e = DecodeCall(geometry_attr, *dx, dy, &geometry, &s);
+      e.failure()) {
     return e;
   }
-  PoolShape s;
-  if (ffi::Error e = CheckShapes(geometry, *dx, dy, &s); e.failure()) return e;
   cuda::DType dtype;
   if (!ToDType(dy.element_type(), &dtype)) {
     return UnsupportedType(dy.element_type());

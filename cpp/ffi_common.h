@@ -119,6 +119,16 @@ inline ffi::Error CheckShapes(const PoolAttrs& a, const ffi::AnyBuffer& in,
   return ffi::Error::Success();
 }
 
+// The start of every handler: the attributes decoded and validated, and the
+// pooled side `in` (x, or dx) and `out` (y, or dy) checked against them.
+inline ffi::Error DecodeCall(const ffi::Dictionary& geometry_attr,
+                             const ffi::AnyBuffer& in,
+                             const ffi::AnyBuffer& out, PoolAttrs* a,
+                             PoolShape* shape) {
+  if (ffi::Error e = DecodeGeometry(geometry_attr, a); e.failure()) return e;
+  return CheckShapes(*a, in, out, shape);
+}
+
 inline ffi::Error CheckStrategy(int64_t strategy) {
   if (strategy != kGather && strategy != kScatter) {
     return ffi::Error::InvalidArgument(
