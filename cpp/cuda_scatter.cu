@@ -919,12 +919,6 @@ bool Aligned(const void* p, size_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
-// Launches the tiled kernel when it applies, after zeroing the `elements` of
-// the target; *launched says whether it did. D: the accumulator type, or
-// T itself for a 16-bit dx, which takes the tiles' float32 sums rounded, by
-// pairs of 16-bit atomics, with no float32 workspace and no narrowing pass:
-// only where every atomic can take an aligned pair and every dx element
-// gets one atomic.
 // Plans the tiled kernel's launch for a target of type D, given whether the
 // target and dy are aligned to four elements: the vector widths V and L of
 // ScatterTiled and the tile, or false when the tiled kernel does not apply.
@@ -955,6 +949,12 @@ bool PlanScatterTiles(const PoolAttrs& a, const PoolShape& s,
                    sizeof(D), kPairs, budget, g);
 }
 
+// Launches the tiled kernel when it applies, after zeroing the `elements` of
+// the target; *launched says whether it did. D: the accumulator type, or
+// T itself for a 16-bit dx, which takes the tiles' float32 sums rounded, by
+// pairs of 16-bit atomics, with no float32 workspace and no narrowing pass:
+// only where every atomic can take an aligned pair and every dx element
+// gets one atomic.
 template <typename T, typename S, typename D>
 cudaError_t LaunchTiled(cudaStream_t stream, const PoolAttrs& a,
                         const PoolShape& s, const T* dy, D* target,
