@@ -38,11 +38,17 @@ struct Num<__half> {
     return __float2half_rn(v);
   }
 };
+// bfloat16 widens exactly by moving its bits to the top of a float32. The
+// kernels do that themselves: for sm_90 the CUDA headers widen with a
+// conversion instruction (cvt.f32.bf16) instead, which on the H200 made the
+// bfloat16 2x2/2 NCHW forward take 76 us against 64 us for the same kernel
+// in float16, and with the bit move 64 us as well.
 template <>
 struct Num<__nv_bfloat16> {
   using Acc = float;
   static __device__ __forceinline__ Acc Load(__nv_bfloat16 v) {
-    return __bfloat162float(v);
+    return __uint_as_float(static_cast<unsigned>(__bfloat16_as_ushort(v))
+                           << 16);
   }
   static __device__ __forceinline__ __nv_bfloat16 Store(Acc v) {
     return __float2bfloat16_rn(v);
