@@ -259,24 +259,37 @@ __device__ __forceinline__ void StoreChannelRun(T* row, int64_t C, int64_t n,
 
 // NHWC specialisations: how many output rows (forward) or input rows
 // (gather) a work item covers, so that the input rows which vertically
-// overlapping windows share are loaded once: four for stride 1, two for
-// stride 2, one when windows do not overlap vertically (with R x BLOCK x V
-// accumulators, 64 registers for float32). For the gather a multiple of SH,
-// and two for 3x3/1, which measured faster than four on the H200.
-template <typename S>
-constexpr int kNhwcRows = S::SH >= S::KH ? 1 : (S::SH == 1 ? 4 : 2);
+// overlapping windows share are loaded once, and how many channels it
+// takes (kNhwcForwardWide, kNhwcGatherWide below). Chosen by timing on the
+// H200 (bench shapes):
+// - Forward: four rows for stride 1, six for float32 3x3/1 (256 against
+//   278 us with four). Two for float32 3x3/2; one for 16-bit types, whose
+//   3x3/2 item then takes eight channels (79 against 88 us with four
+//   channels and two rows). Where windows do not overlap vertically, two
+//   rows for float32 (2x2/2: 124 against 138 us with one), else one.
+// - Gather: a multiple of SH; two for 3x3/1, which measured faster than one,
+//   three or four (float32: 278 against 312-385 us), and four for wider
+//   stride-1 windows.
+template <typename T, typename S>
+constexpr int kNhwcRows =
+    S::SH >= S::KH ? (sizeof(T) == 4 ? 2 : 1)
+    : S::SH == 1   ? (S::KH == 3 && sizeof(T) == 4 ? 6 : 4)
+                   : (sizeof(T) == 2 ? 1 : 2);
 template <typename S>
 constexpr int kNhwcGatherRows =
     S::SH >= S::KH ? S::SH : (S::SH == 1 && S::KH > 3 ? 4 : 2);
 
 // Blocks per multiprocessor the NHWC forward row-block kernel is compiled
-// for: two for 3x3/2, whose float32 instance otherwise takes 134 registers
-// per thread (all 45 loads of an item hoisted), one block per
-// multiprocessor; capped at 128 it does not spill. 0 leaves the others to
-// the compiler: wider windows spill under the cap, and an explicit 1 lets
-// it take more registers than it does by default.
-template <typename S>
-constexpr int kNhwcForwardBlocks = S::KH == 3 && S::SH == 2 ? 2 : 0;
+// for: two for the float32 and float64 3x3/2, whose float32 instance
+// otherwise takes 134 registers per thread (all 45 loads of an item
+// hoisted), one block per multiprocessor; capped at 128 it does not spill.
+// 0 leaves the others to the compiler: wider windows spill under the cap,
+// and an explicit 1 lets it take more registers than it does by default;
+// the 16-bit 3x3/2 item of one row of eight channels measured faster
+// uncapped (126 registers; 79 against 83 us).
+template <typename T, typename S>
+constexpr int kNhwcForwardBlocks =
+    S::KH == 3 && S::SH == 2 && sizeof(T) >= 4 ? 2 : 0;
 
 // NHWC forward, specialisations: a work item is (image n, block of R output
 // rows, group of BLOCK outputs along W, vector of V channels). Each of the
@@ -286,7 +299,7 @@ constexpr int kNhwcForwardBlocks = S::KH == 3 && S::SH == 2 ? 2 : 0;
 // windows hold the row (known at compile time). Rows and columns outside
 // the input are predicated off.
 template <typename T, typename S, int V, int R>
-__global__ void __launch_bounds__(kThreads, kNhwcForwardBlocks<S>)
+__global__ void __launch_bounds__(kThreads, kNhwcForwardBlocks<T, S>)
     ForwardNhwcRows(const PoolAttrs a, const PoolShape s,
                     const T* __restrict__ x, T* __restrict__ y,
                     const int64_t total) {
@@ -1023,16 +1036,28 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Rows per work item of the row kernels: enough to share the rows that
-// vertically overlapping windows have in common. The gather of a 7-row
-// window takes 14 rows, which loads 20 dy rows per 14 dx rows instead of
-// 10 per 4; 11% faster in float32 and 24% in bfloat16 on the H200. The
-// forward measured slower with more rows than 4: with 6, 8 or 11 rows its
-// 7x7 window took 82-89 us against 77 in float32 and 76-91 against 71 in
-// bfloat16 (64x512x28x28).
-template <typename S>
-constexpr int kRowsPerItem = S::SH == 1 ? 4 : 2;
-template <typename S>
-constexpr int kGatherRowsPerItem = S::KH >= 5 ? 2 * S::KH : 4;
+// vertically overlapping windows have in common, and to keep enough loads
+// in flight, within registers that leave several blocks per multiprocessor.
+// Chosen by timing R on the H200 (bench shapes; float64 at half the batch):
+// - Forward. 3x3/1 float32: 8 rows, 233 against 259 us for 4 (bfloat16 and
+//   float64 were slower with 8). 7x7/1: 4, as 6, 8 and 11 took 82-89 us
+//   against 77 in float32 and 76-91 against 71 in bfloat16. Stride 2: 2;
+//   the 3x3/2 kernel with 4 takes 88 registers in bfloat16 and 96 in
+//   float32, and was slower in both (110 against 87 us, 142 against 134).
+// - Gather. 7x7: 14 rows, which load 20 dy rows per 14 dx rows instead of
+//   10 per 4 (11% faster in float32, 24% in bfloat16). 3x3/1: 6, or 8 for
+//   16-bit types (float32 202 against 211 us with 4, bfloat16 168 against
+//   204). 2x2/2: 2, or 4 for 16-bit types (float32 131 against 136 us with
+//   4). 3x3/2: 4, or 8 for 16-bit types (79 against 83 us).
+template <typename T, typename S>
+constexpr int kRowsPerItem =
+    S::SH != 1 ? 2 : (S::KH <= 3 && sizeof(T) == 4 ? 8 : 4);
+template <typename T, typename S>
+constexpr int kGatherRowsPerItem =
+    S::KH >= 5    ? 2 * S::KH
+    : S::SH == 1  ? (sizeof(T) == 2 ? 8 : 6)
+    : S::KH == 2  ? (sizeof(T) == 2 ? 4 : 2)
+                  : (sizeof(T) == 2 ? 8 : 4);
 
 // Calls fn(std::integral_constant<int, e>) with the phase of a gather's
 // first covering window along an axis of window K, stride ST and leading
@@ -1162,13 +1187,19 @@ __global__ void __launch_bounds__(kThreads)
 
 // Channels per vector access in NHWC: 16 bytes when C and both buffers
 // allow it, else one. The row-block kernels of the specialisations take at
-// most four channels per thread (8-byte accesses for 16-bit types) when
-// their items span several rows: with eight, their accumulators and loaded
-// rows overflow the registers.
+// most four channels per thread (8-byte accesses for 16-bit types) where
+// eight would overflow the registers or measured slower: the forward of
+// stride-1 windows (16-bit 3x3/1: 200 us with eight channels and two rows
+// against 161 with four and four) and the gather of stride-1 windows wider
+// than 3.
 template <typename T>
 constexpr int kWide = 16 / static_cast<int>(sizeof(T));
 template <typename T, typename S>
-constexpr int kNhwcWide = S::SH >= S::KH || kWide<T> < 4 ? kWide<T> : 4;
+constexpr int kNhwcForwardWide =
+    S::SH == 1 && S::KH > 1 && kWide<T> > 4 ? 4 : kWide<T>;
+template <typename T, typename S>
+constexpr int kNhwcGatherWide =
+    S::SH == 1 && S::KH > 3 && kWide<T> > 4 ? 4 : kWide<T>;
 
 template <typename T, int V = kWide<T>>
 bool CanVectorise(const PoolShape& s, const void* in, const void* out) {
@@ -1474,7 +1505,7 @@ cudaError_t LaunchForward(cudaStream_t stream, DType dtype, const PoolAttrs& a,
                     groups = Groups(s.out_w, S::BLOCK);
       if (RowKernelsFit<T, S>(a, s, x, y)) {
         if constexpr (!S::kGeneric) {
-          constexpr int R = kRowsPerItem<S>;
+          constexpr int R = kRowsPerItem<T, S>;
           const int64_t chunks = RowChunks<S>(s);
           const int64_t items =
               s.batch * s.channels * Groups(s.out_h, R) * chunks;
@@ -1494,14 +1525,14 @@ cudaError_t LaunchForward(cudaStream_t stream, DType dtype, const PoolAttrs& a,
       if constexpr (!S::kGeneric) {
         const auto launch = [&](auto v) {
           constexpr int V = decltype(v)::value;
-          constexpr int R = kNhwcRows<S>;
+          constexpr int R = kNhwcRows<T, S>;
           return Launch(
               ForwardNhwcRows<T, S, V, R>, stream,
               s.batch * Groups(s.out_h, R) * groups * (s.channels / V), a, s,
               in, out);
         };
-        if (CanVectorise<T, kNhwcWide<T, S>>(s, x, y)) {
-          return launch(std::integral_constant<int, kNhwcWide<T, S>>{});
+        if (CanVectorise<T, kNhwcForwardWide<T, S>>(s, x, y)) {
+          return launch(std::integral_constant<int, kNhwcForwardWide<T, S>>{});
         }
         return launch(std::integral_constant<int, 1>{});
       } else {
@@ -1528,7 +1559,7 @@ cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
       const int64_t rows = s.batch * s.in_h, groups = Groups(s.in_w, S::BLOCK);
       if (RowKernelsFit<T, S>(a, s, dy, dx)) {
         if constexpr (!S::kGeneric) {
-          constexpr int R = kGatherRowsPerItem<S>;
+          constexpr int R = kGatherRowsPerItem<T, S>;
           const int64_t chunks = RowChunks<S>(s);
           const int64_t items =
               s.batch * s.channels * Groups(s.in_h, R) * chunks;
@@ -1583,8 +1614,8 @@ cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
             });
           });
         };
-        if (CanVectorise<T, kNhwcWide<T, S>>(s, dy, dx)) {
-          return launch(std::integral_constant<int, kNhwcWide<T, S>>{});
+        if (CanVectorise<T, kNhwcGatherWide<T, S>>(s, dy, dx)) {
+          return launch(std::integral_constant<int, kNhwcGatherWide<T, S>>{});
         }
         return launch(std::integral_constant<int, 1>{});
       } else {
