@@ -283,13 +283,19 @@ constexpr int kNhwcGatherRows =
 // for: two for the float32 and float64 3x3/2, whose float32 instance
 // otherwise takes 134 registers per thread (all 45 loads of an item
 // hoisted), one block per multiprocessor; capped at 128 it does not spill.
-// 0 leaves the others to the compiler: wider windows spill under the cap,
-// and an explicit 1 lets it take more registers than it does by default;
-// the 16-bit 3x3/2 item of one row of eight channels measured faster
-// uncapped (126 registers; 79 against 83 us).
+// Two for the 16-bit windows that do not overlap vertically: the 2x2/2
+// item of eight channels then takes 106 registers instead of 84 and
+// measured faster (65 against 76 us). 0 leaves the others to the compiler:
+// wider windows spill under the cap, and an explicit 1 lets it take more
+// registers than it does by default; the 16-bit 3x3/2 item of one row of
+// eight channels measured faster uncapped (126 registers; 79 against
+// 83 us).
 template <typename T, typename S>
 constexpr int kNhwcForwardBlocks =
-    S::KH == 3 && S::SH == 2 && sizeof(T) >= 4 ? 2 : 0;
+    (S::KH == 3 && S::SH == 2 && sizeof(T) >= 4) ||
+            (S::SH >= S::KH && sizeof(T) == 2)
+        ? 2
+        : 0;
 
 // NHWC forward, specialisations: a work item is (image n, block of R output
 // rows, group of BLOCK outputs along W, vector of V channels). Each of the
