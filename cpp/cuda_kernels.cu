@@ -1054,14 +1054,22 @@ __global__ void __launch_bounds__(kThreads)
 //   against 77 in float32 and 76-91 against 71 in bfloat16. Stride 2: 2;
 //   the 3x3/2 kernel with 4 takes 88 registers in bfloat16 and 96 in
 //   float32, and was slower in both (110 against 87 us, 142 against 134).
+//   Those stride-1 timings were on rows stored element by element (22 and
+//   222 outputs wide). Stored in pairs (PIECE 2) more rows pay: 16-bit
+//   types take 8 (7x7/1 bfloat16 41 against 51 us, 3x3/1 131 against
+//   172), float32 7x7/1 takes 6 (53 against 54 us; 8 took 53 as well).
 // - Gather. 7x7: 14 rows, which load 20 dy rows per 14 dx rows instead of
 //   10 per 4 (11% faster in float32, 24% in bfloat16). 3x3/1: 6, or 8 for
 //   16-bit types (float32 202 against 211 us with 4, bfloat16 168 against
 //   204). 2x2/2: 2, or 4 for 16-bit types (float32 131 against 136 us with
 //   4). 3x3/2: 4, or 8 for 16-bit types (79 against 83 us).
-template <typename T, typename S>
+template <typename T, typename S, int PIECE = 0>
 constexpr int kRowsPerItem =
-    S::SH != 1 ? 2 : (S::KH <= 3 && sizeof(T) == 4 ? 8 : 4);
+    S::SH != 1                       ? 2
+    : PIECE == 2 && sizeof(T) == 2   ? 8
+    : PIECE == 2 && sizeof(T) == 4   ? (S::KH <= 3 ? 8 : 6)
+    : S::KH <= 3 && sizeof(T) == 4   ? 8
+                                     : 4;
 template <typename T, typename S>
 constexpr int kGatherRowsPerItem =
     S::KH >= 5    ? 2 * S::KH
@@ -1095,16 +1103,21 @@ cudaError_t WithPadLeft(int64_t pad_left, Fn&& fn) {
 }
 
 // Calls fn(std::integral_constant<int, p>) with how the forward row kernel
-// stores its runs of B outputs in rows `row` long from `base`: p = 2 in
-// pairs, when the rows hold whole pairs but not whole runs (22-wide rows of
-// 4-element runs: the 7x7/1 forward on 28x28 planes took 54 against 69 us,
-// the 3x3/1 forward on 224x224 planes 213 against 233 us, float32 on the
-// H200); else p = 0, whole vectors or element by element as they allow.
-// Element-wise stores were kept for rows of odd length: compiled as their
-// own kernel they ran slower than as the fallback of the vector kernel.
-template <typename T, int B, typename Fn>
+// stores its runs of B = S::BLOCK outputs in rows `row` long from `base`:
+// p = 2 in pairs, when the rows hold whole pairs but not whole runs
+// (22-wide rows of 4-element runs: the 7x7/1 float32 forward on 28x28
+// planes took 54 against 69 us, the 3x3/1 one on 224x224 planes 213 against
+// 233 us on the H200, with the same rows per item); else p = 0, whole
+// vectors or element by element as they allow. Element-wise stores stay in
+// the vector kernel for rows of odd length: compiled as a kernel of their
+// own they ran slower (bfloat16 3x3/2: 102 against 87 us), and so did a
+// warp staging its outputs in shared memory to store whole rows (2-3x).
+template <typename T, typename S, typename Fn>
 cudaError_t WithPiece(const void* base, int64_t row, Fn&& fn) {
-  if constexpr (B % 2 == 0 && B > 2) {
+  // With stride 2 the row kernels need W to be a multiple of 2B, and PyTorch
+  // padding then leaves output rows of whole runs or of odd length.
+  constexpr int B = S::BLOCK;
+  if constexpr (S::SW == 1 && B % 2 == 0 && B > 2) {
     if (RunPiece<T, B>(base, row) == 2) {
       return fn(std::integral_constant<int, 2>{});
     }
@@ -1533,16 +1546,16 @@ cudaError_t LaunchForward(cudaStream_t stream, DType dtype, const PoolAttrs& a,
                     groups = Groups(s.out_w, S::BLOCK);
       if (RowKernelsFit<T, S>(a, s, x, y)) {
         if constexpr (!S::kGeneric) {
-          constexpr int R = kRowsPerItem<T, S>;
           const int64_t chunks = RowChunks<S>(s);
-          const int64_t items =
-              s.batch * s.channels * Groups(s.out_h, R) * chunks;
           return WithPadLeft<S::KW / 2>(a.pad_left, [&](auto pl) {
-            return WithPiece<T, S::BLOCK>(y, s.out_w, [&](auto piece) {
+            return WithPiece<T, S>(y, s.out_w, [&](auto piece) {
+              constexpr int P = decltype(piece)::value;
+              constexpr int R = kRowsPerItem<T, S, P>;
+              const int64_t items =
+                  s.batch * s.channels * Groups(s.out_h, R) * chunks;
               return LaunchRows(
-                  ForwardNchwRows<T, S, decltype(pl)::value, R,
-                                  decltype(piece)::value>,
-                  stream, items, a, s, in, out, chunks);
+                  ForwardNchwRows<T, S, decltype(pl)::value, R, P>, stream,
+                  items, a, s, in, out, chunks);
             });
           });
         }
