@@ -210,9 +210,13 @@ template <typename T, int B, int P, typename Acc>
 __device__ __forceinline__ void StorePieces(T* out, const Acc (&acc)[B],
                                             int64_t n) {
   static_assert(B % P == 0 && sizeof(T) * P <= 16);
+  // Each piece under its own condition rather than a loop left at the
+  // first missing one: with the early exit the 3x3/2 forward, its rows of
+  // odd length stored element by element, took 102 against 80 us
+  // (bfloat16) on the H200.
 #pragma unroll
   for (int q = 0; q < B / P; ++q) {
-    if (q * P >= n) break;
+    if (q * P >= n) continue;
     Vec<T, P> v;
 #pragma unroll
     for (int e = 0; e < P; ++e) v.v[e] = Num<T>::Store(acc[q * P + e]);

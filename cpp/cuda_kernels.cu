@@ -829,6 +829,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row_blocks = (OH + R - 1) / R;
   const Lanes lanes;
   const int lane = lanes.lane;
+  // Always true where PIECE == B; kept as a run-time test, as without it
+  // the bfloat16 2x2/2 forward took 69 against 64 us on the H200.
   const bool whole_vectors = CanStoreRuns<T, B>(y, OW);
   const int64_t warps = Lanes::Warps(total);
   for (int64_t warp = FirstWarp(); warp < warps; warp += WarpCount()) {
@@ -900,10 +902,10 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int b = 0; b < B; ++b) out[b] = acc[o][b] * (hf * wf[b]);
       T* to = y + (p * OH + oh) * OW + g * B;
-      if constexpr (PIECE > 0) {
-        StorePieces<T, B, PIECE>(to, out, OW - g * B);
-      } else {
+      if constexpr (PIECE == B) {
         StoreRun<T, B>(to, out, OW - g * B, whole_vectors);
+      } else {
+        StorePieces<T, B, PIECE>(to, out, OW - g * B);
       }
     }
   }
@@ -1102,27 +1104,28 @@ cudaError_t WithPadLeft(int64_t pad_left, Fn&& fn) {
   }
 }
 
-// Calls fn(std::integral_constant<int, p>) with how the forward row kernel
-// stores its runs of B = S::BLOCK outputs in rows `row` long from `base`:
-// p = 2 in pairs, when the rows hold whole pairs but not whole runs
-// (22-wide rows of 4-element runs: the 7x7/1 float32 forward on 28x28
-// planes took 54 against 69 us, the 3x3/1 one on 224x224 planes 213 against
-// 233 us on the H200, with the same rows per item); else p = 0, whole
-// vectors or element by element as they allow. Element-wise stores stay in
-// the vector kernel for rows of odd length: compiled as a kernel of their
-// own they ran slower (bfloat16 3x3/2: 102 against 87 us), and so did a
-// warp staging its outputs in shared memory to store whole rows (2-3x).
+// Calls fn(std::integral_constant<int, p>) with the piece in which the
+// forward row kernel stores its runs of B = S::BLOCK outputs in rows `row`
+// long from `base` (RunPiece): whole runs as one vector (p = B), aligned
+// pairs (2) or single elements (1). Each is a kernel of its own. On the
+// H200, against one kernel storing whole runs or else element by element:
+// pairs on 22-wide rows (7x7/1 on 28x28 planes) took the float32 forward
+// from 69 to 54 us, and on 222-wide ones (3x3/1) from 233 to 213 us; the
+// element-wise kernel alone on 27-wide rows (3x3/2 on 56x56) from 133 to
+// 123 us (float32) and 87 to 80 us (bfloat16). With stride 2 the row
+// kernels need W to be a multiple of 2B, and PyTorch padding then leaves
+// output rows of whole runs or of odd length, so no pair kernels for them.
 template <typename T, typename S, typename Fn>
 cudaError_t WithPiece(const void* base, int64_t row, Fn&& fn) {
-  // With stride 2 the row kernels need W to be a multiple of 2B, and PyTorch
-  // padding then leaves output rows of whole runs or of odd length.
   constexpr int B = S::BLOCK;
-  if constexpr (S::SW == 1 && B % 2 == 0 && B > 2) {
-    if (RunPiece<T, B>(base, row) == 2) {
-      return fn(std::integral_constant<int, 2>{});
-    }
+  const int piece = RunPiece<T, B>(base, row);
+  if constexpr (sizeof(T) * B <= 16) {
+    if (piece == B) return fn(std::integral_constant<int, B>{});
   }
-  return fn(std::integral_constant<int, 0>{});
+  if constexpr (S::SW == 1 && B % 2 == 0 && B > 2) {
+    if (piece >= 2) return fn(std::integral_constant<int, 2>{});
+  }
+  return fn(std::integral_constant<int, 1>{});
 }
 
 // Launches a row kernel over `items`: 32 threads per 28 items or more (the
