@@ -257,27 +257,21 @@ __device__ __forceinline__ void StoreChannelRun(T* row, int64_t C, int64_t n,
   }
 }
 
-// NHWC specialisations: how many output rows (forward) or input rows
-// (gather) a work item covers, so that the input rows which vertically
-// overlapping windows share are loaded once, and how many channels it
-// takes (kNhwcForwardWide, kNhwcGatherWide below). Chosen by timing on the
-// H200 (bench shapes):
-// - Forward: four rows for stride 1, six for float32 3x3/1 (256 against
-//   278 us with four). Two for float32 3x3/2; one for 16-bit types, whose
-//   3x3/2 item then takes eight channels (79 against 88 us with four
-//   channels and two rows). Where windows do not overlap vertically, two
-//   rows for float32 (2x2/2: 124 against 138 us with one), else one.
-// - Gather: a multiple of SH; two for 3x3/1, which measured faster than one,
-//   three or four (float32: 278 against 312-385 us), and four for wider
-//   stride-1 windows.
+// NHWC specialisations of stride 2 (stride 1 has SlideNhwc below): how
+// many output rows (forward) or input rows (gather) a work item covers, so
+// that the input rows which vertically overlapping windows share are
+// loaded once, and how many channels it takes (kNhwcForwardWide below; 16
+// bytes for the gather). Chosen by timing on the H200 (bench shapes):
+// - Forward: two for float32 3x3/2; one for 16-bit types, whose 3x3/2 item
+//   then takes eight channels (79 against 88 us with four channels and two
+//   rows). Where windows do not overlap vertically, two rows for float32
+//   (2x2/2: 124 against 138 us with one), else one.
+// - Gather: a multiple of SH; two for 3x3/2.
 template <typename T, typename S>
 constexpr int kNhwcRows =
-    S::SH >= S::KH ? (sizeof(T) == 4 ? 2 : 1)
-    : S::SH == 1   ? (S::KH == 3 && sizeof(T) == 4 ? 6 : 4)
-                   : (sizeof(T) == 2 ? 1 : 2);
+    S::SH >= S::KH ? (sizeof(T) == 4 ? 2 : 1) : (sizeof(T) == 2 ? 1 : 2);
 template <typename S>
-constexpr int kNhwcGatherRows =
-    S::SH >= S::KH ? S::SH : (S::SH == 1 && S::KH > 3 ? 4 : 2);
+constexpr int kNhwcGatherRows = S::SH >= S::KH ? S::SH : 2;
 
 // Blocks per multiprocessor the NHWC forward row-block kernel is compiled
 // for: two for the float32 and float64 3x3/2, whose float32 instance
@@ -297,13 +291,13 @@ constexpr int kNhwcForwardBlocks =
         ? 2
         : 0;
 
-// NHWC forward, specialisations: a work item is (image n, block of R output
-// rows, group of BLOCK outputs along W, vector of V channels). Each of the
-// (R - 1) * SH + KH input rows under the block is loaded once (the
-// (BLOCK - 1) * SW + KW columns under the group), summed along W into the
-// BLOCK window sums of that row, which are added to the output rows whose
-// windows hold the row (known at compile time). Rows and columns outside
-// the input are predicated off.
+// NHWC forward, specialisations of stride 2 (SlideNhwc does stride 1): a
+// work item is (image n, block of R output rows, group of BLOCK outputs
+// along W, vector of V channels). Each of the (R - 1) * SH + KH input rows
+// under the block is loaded once (the (BLOCK - 1) * SW + KW columns under
+// the group), summed along W into the BLOCK window sums of that row, which
+// are added to the output rows whose windows hold the row (known at compile
+// time). Rows and columns outside the input are predicated off.
 template <typename T, typename S, int V, int R>
 __global__ void __launch_bounds__(kThreads, kNhwcForwardBlocks<T, S>)
     ForwardNhwcRows(const PoolAttrs a, const PoolShape s,
@@ -339,29 +333,18 @@ __global__ void __launch_bounds__(kThreads, kNhwcForwardBlocks<T, S>)
         return LoadOrZero<T, V>(image + (h * W + c) * C, ok);
       };
       Acc ws[B][V];  // row h summed over the columns of each window
-      if constexpr (SW == 1) {
-        Acc col[NCOL][V];
 #pragma unroll
-        for (int j = 0; j < NCOL; ++j) {
-          const VecT v = load(j);
+      for (int b = 0; b < B; ++b)
 #pragma unroll
-          for (int e = 0; e < V; ++e) col[j][e] = N::Load(v.v[e]);
-        }
-        SlidingRows<KW>(col, ws);
-      } else {
+        for (int e = 0; e < V; ++e) ws[b][e] = Acc(0);
 #pragma unroll
-        for (int b = 0; b < B; ++b)
+      for (int j = 0; j < NCOL; ++j) {
+        const VecT v = load(j);
 #pragma unroll
-          for (int e = 0; e < V; ++e) ws[b][e] = Acc(0);
+        for (int b = 0; b < B; ++b) {
+          if (j - b * SW >= 0 && j - b * SW < KW) {
 #pragma unroll
-        for (int j = 0; j < NCOL; ++j) {
-          const VecT v = load(j);
-#pragma unroll
-          for (int b = 0; b < B; ++b) {
-            if (j - b * SW >= 0 && j - b * SW < KW) {
-#pragma unroll
-              for (int e = 0; e < V; ++e) ws[b][e] += N::Load(v.v[e]);
-            }
+            for (int e = 0; e < V; ++e) ws[b][e] += N::Load(v.v[e]);
           }
         }
       }
@@ -514,17 +497,18 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// NHWC gather, specialisations: a work item is (image n, block of R input
-// rows, group of BLOCK inputs along W, vector of V channels), R and BLOCK
-// multiples of SH and SW. The first dy column whose window reaches column
-// w0 of the group is ceil((w0 + pad_left - KW + 1) / SW); as w0 is a
-// multiple of SW, its window starts KW - 1 - EW columns before w0 for EW =
-// (KW - 1 - pad_left) mod SW, and likewise for the rows with EH; both are
-// template parameters, so which dy row and column covers which dx row and
-// column is known at compile time. Each dy row over the block is loaded once:
-// its elements are divided by their column factors and summed along W into
-// the BLOCK dx columns they cover, and those sums, times the row's factor,
-// are added to the dx rows the dy row covers.
+// NHWC gather, specialisations of stride 2 (SlideNhwc does stride 1): a
+// work item is (image n, block of R input rows, group of BLOCK inputs along
+// W, vector of V channels), R and BLOCK multiples of SH and SW. The first
+// dy column whose window reaches column w0 of the group is
+// ceil((w0 + pad_left - KW + 1) / SW); as w0 is a multiple of SW, its
+// window starts KW - 1 - EW columns before w0 for EW = (KW - 1 - pad_left)
+// mod SW, and likewise for the rows with EH; both are template parameters,
+// so which dy row and column covers which dx row and column is known at
+// compile time. Each dy row over the block is loaded once: its elements are
+// divided by their column factors and summed along W into the BLOCK dx
+// columns they cover, and those sums, times the row's factor, are added to
+// the dx rows the dy row covers.
 template <typename T, typename S, int V, int R, int EW, int EH>
 __global__ void __launch_bounds__(kThreads)
     GatherNhwcRows(const PoolAttrs a, const PoolShape s,
@@ -582,22 +566,16 @@ __global__ void __launch_bounds__(kThreads)
                     a, WindowAt(oh, H, KH, SH, a.pad_top, a.pad_bottom), true))
               : Acc(0);
       Acc sums[B][V];  // dy row oh over column w0 + b
-      if constexpr (SW == 1) {
-        // Column w0 + b is in the windows of dy columns u = b .. b + KW - 1.
-        static_assert(CW == KW - 1 && NU == B + KW - 1);
-        SlidingRows<KW>(q, sums);
-      } else {
 #pragma unroll
-        for (int b = 0; b < B; ++b) {
+      for (int b = 0; b < B; ++b) {
 #pragma unroll
-          for (int e = 0; e < V; ++e) sums[b][e] = Acc(0);
+        for (int e = 0; e < V; ++e) sums[b][e] = Acc(0);
 #pragma unroll
-          for (int u = 0; u < NU; ++u) {
-            const int k = b + CW - u * SW;  // column w0 + b in window u
-            if (k >= 0 && k < KW) {
+        for (int u = 0; u < NU; ++u) {
+          const int k = b + CW - u * SW;  // column w0 + b in window u
+          if (k >= 0 && k < KW) {
 #pragma unroll
-              for (int e = 0; e < V; ++e) sums[b][e] += q[u][e];
-            }
+            for (int e = 0; e < V; ++e) sums[b][e] += q[u][e];
           }
         }
       }
@@ -1230,20 +1208,16 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Channels per vector access in NHWC: 16 bytes when C and both buffers
-// allow it, else one. The row-block kernels of the specialisations take at
-// most four channels per thread (8-byte accesses for 16-bit types) where
-// eight would overflow the registers or measured slower: the forward of
-// stride-1 windows (16-bit 3x3/1: 200 us with eight channels and two rows
-// against 161 with four and four) and the gather of stride-1 windows wider
-// than 3.
+// allow it, else one. The stride-1 forward of 16-bit types takes four
+// channels per thread (8-byte accesses): with eight, its KH rows of
+// accumulators overflow the registers (bfloat16 7x7/1 on the H200: 68-75
+// against 66 us; 3x3/1 level). Its gather takes eight (7x7/1: 79 against
+// 84 us).
 template <typename T>
 constexpr int kWide = 16 / static_cast<int>(sizeof(T));
 template <typename T, typename S>
 constexpr int kNhwcForwardWide =
     S::SH == 1 && S::KH > 1 && kWide<T> > 4 ? 4 : kWide<T>;
-template <typename T, typename S>
-constexpr int kNhwcGatherWide =
-    S::SH == 1 && S::KH > 3 && kWide<T> > 4 ? 4 : kWide<T>;
 
 template <typename T, int V = kWide<T>>
 bool CanVectorise(const PoolShape& s, const void* in, const void* out) {
@@ -1279,251 +1253,171 @@ cudaError_t LaunchTiled(void (*kernel)(KArgs...), cudaStream_t stream,
 }
 
 // ---------------------------------------------------------------------------
-// NHWC, stride 1, through shared memory. With stride 1 the gather is the
+// NHWC, stride 1: a sliding window down H. With stride 1 the gather is the
 // forward's box filter run backwards: dx[h, w] sums dy over rows h - LEAD_H
 // .. h - LEAD_H + KH - 1 (LEAD_H = KH - 1 - pad_top) and likewise along W,
 // each dy element first divided by its divisor; the forward sums x over
 // rows oh - pad_top .. oh - pad_top + KH - 1 and divides the sum. So one
-// kernel does both. A block takes a tile of destination rows and columns of
-// one image and one slice of two 16-byte channel vectors (a whole 32-byte
-// sector of each position). First, for every source row under the tile, an
-// item of BLOCK destination columns and one vector loads the source columns
-// under them (its loads all in flight together) and stores their sliding
-// sums along W in shared memory; then an item of four destination rows of
-// one column and vector sums those down H. Each source row is read once per
-// tile, rather than once per window row as in the register kernels, whose
-// reuse along H was bounded by registers. Used for 16-bit types and windows
-// of 5 rows or more: on the H200 it took the bfloat16 NHWC 7x7/1 forward
-// from 90 to 83 us and the gather from 137 to 105 us, while for float32 it
-// was slower than the register kernels (132 against 89 us forward, 154
-// against 125 us gather), as it was for 3x3/1.
+// kernel does both. A work item is (image n, segment of up to `rows`
+// destination rows, B adjacent destination columns, vector of V channels).
+// It walks down the source rows under the segment, loading each once: the
+// B + KW - 1 columns of a row are summed along W into B sliding sums, which
+// are added to the KH destination rows whose windows hold the row. Those KH
+// rows of accumulators form a ring in registers (row o in slot o mod KH,
+// the loop unrolled KH rows at a time so that slots are compile-time
+// indices); a destination row is stored as soon as its last source row is
+// added, and its slot restarts for the row KH below. Each destination row
+// sums its source rows in ascending order, as the CPU does.
+//
+// The register kernels it replaced held R whole rows of outputs per item
+// and loaded the R + KH - 1 source rows under them, so each source row was
+// loaded about KH / R + 1 times, and their registers left one block per
+// multiprocessor; a shared-memory box kernel did the 16-bit 7x7/1. On the
+// H200 (bench shapes, us, forward / gather): float32 3x3/1 219 / 227
+// against 258 / 280, float32 7x7/1 78 / 90 against 87 / 123, bfloat16
+// 7x7/1 66 / 79 against 81 / 103.
+//
+// Blocks per multiprocessor SlideNhwc is compiled for: two for the float32
+// 7x7/1, which then takes 128 registers and spills a few bytes, and
+// measured faster than uncapped at 136 (forward 78 against 97 us); 0 leaves
+// the others to the compiler.
+template <typename T, typename S>
+constexpr int kNhwcSlideBlocks = S::KH > 3 && sizeof(T) == 4 ? 2 : 0;
 
-constexpr int kBoxVectors = 2;   // channel vectors of a slice
-constexpr int kBoxDownRows = 4;  // destination rows per item down H
-
-// A tiling of the destination: tiles of toh x tow, tiles_h x tiles_w of
-// them; destination row o takes source rows o - lead_h + [0, KH).
-struct BoxTiles {
-  int toh, tow, tiles_h, tiles_w, lead_h, lead_w;
-};
-
-template <typename T, typename S, bool kGather>
-__global__ void __launch_bounds__(kThreads)
-    BoxNhwcTiled(const PoolAttrs a, const PoolShape s, const T* __restrict__ src,
-                 T* __restrict__ dst, const BoxTiles t, const int64_t total) {
+template <typename T, typename S, int V, int B, bool kGather>
+__global__ void __launch_bounds__(kThreads, kNhwcSlideBlocks<T, S>)
+    SlideNhwc(const PoolAttrs a, const PoolShape s, const T* __restrict__ src,
+              T* __restrict__ dst, const int rows, const int64_t total) {
   using N = Num<T>;
   using Acc = typename N::Acc;
-  constexpr int KH = S::KH, KW = S::KW, B = S::BLOCK, RB = kBoxDownRows;
-  constexpr int V = kWide<T>, NCOL = B + KW - 1;
   using VecT = Vec<T, V>;
-  using VecA = Vec<Acc, V>;
+  constexpr int KH = S::KH, KW = S::KW, NCOL = B + KW - 1;
   static_assert(S::SH == 1 && S::SW == 1);
-  extern __shared__ __align__(16) unsigned char smem[];
-  const int tih = t.toh + KH - 1;
-  VecA* sums = reinterpret_cast<VecA*>(smem);  // [tih][tow][kBoxVectors]
-  Acc* rf = reinterpret_cast<Acc*>(sums + tih * t.tow * kBoxVectors);
-  Acc* cf = rf + tih;  // row and column factors
-  const int H = static_cast<int>(s.in_h), W = static_cast<int>(s.in_w);
-  const int OH = static_cast<int>(s.out_h), OW = static_cast<int>(s.out_w);
-  const int src_h = kGather ? OH : H, src_w = kGather ? OW : W;
-  const int dst_h = kGather ? H : OH, dst_w = kGather ? W : OW;
-  const int pt = static_cast<int>(a.pad_top), pl = static_cast<int>(a.pad_left);
-  const int pb = static_cast<int>(a.pad_bottom);
-  const int pr = static_cast<int>(a.pad_right);
-  const int64_t C = s.channels, slices = C / (kBoxVectors * V);
-  const int ngroups = (t.tow + B - 1) / B;
-  for (int64_t blk = blockIdx.x; blk < total; blk += gridDim.x) {
-    const int tw = static_cast<int>(blk % t.tiles_w);
-    const int th = static_cast<int>(blk / t.tiles_w % t.tiles_h);
-    const int64_t plane = blk / t.tiles_w / t.tiles_h;  // n * slices + slice
-    const int64_t n = plane / slices;
-    const int64_t c_off = plane % slices * (kBoxVectors * V);
-    const int oh0 = th * t.toh, ow0 = tw * t.tow;  // destination origin
-    const int r0 = oh0 - t.lead_h, c0 = ow0 - t.lead_w;  // source origin
-    __syncthreads();  // the previous tile is done with shared memory
-    // 1 / the divisor factor of each output row and column: of the source
-    // (dy) rows and columns for the gather, the destination's for the
-    // forward; 0 outside the output.
-    const int frows = kGather ? tih : t.toh;
-    const int fcols = kGather ? ngroups * B + KW - 1 : t.tow;
-    const int fr0 = kGather ? r0 : oh0, fc0 = kGather ? c0 : ow0;
-    for (int i = threadIdx.x; i < frows + fcols; i += blockDim.x) {
-      const bool is_row = i < frows;
-      const int o = is_row ? fr0 + i : fc0 + i - frows;
-      const bool ok = o >= 0 && (is_row ? o < OH : o < OW);
-      const Window w = is_row ? WindowAt(ok ? o : 0, H, KH, 1, pt, pb)
-                              : WindowAt(ok ? o : 0, W, KW, 1, pl, pr);
-      const Acc f = ok ? Reciprocal(WindowFactor<Acc>(a, w, is_row)) : Acc(0);
-      if (is_row) {
-        rf[i] = f;
-      } else {
-        cf[i - frows] = f;
-      }
-    }
-    __syncthreads();
-    // Along W: item (source row r, group g of B destination columns,
-    // vector q).
+  const int64_t H = s.in_h, W = s.in_w, OH = s.out_h, OW = s.out_w;
+  const int64_t src_h = kGather ? OH : H, src_w = kGather ? OW : W;
+  const int64_t dst_h = kGather ? H : OH, dst_w = kGather ? W : OW;
+  const int64_t C = s.channels, CV = C / V;
+  const int64_t groups = (dst_w + B - 1) / B, segs = (dst_h + rows - 1) / rows;
+  // Source row (column) of destination row (column) 0's first window row.
+  const int64_t lead_h = kGather ? KH - 1 - a.pad_top : a.pad_top;
+  const int64_t lead_w = kGather ? KW - 1 - a.pad_left : a.pad_left;
+  const bool narrow = total <= INT32_MAX;
+  for (int64_t i = FirstThread(); i < total; i += ThreadCount()) {
+    const Split3 at = Decompose(i, groups, CV, narrow);
+    const Split2 n_seg = DivMod(at.outer, segs, narrow);
+    const int64_t n = n_seg.quot, o0 = n_seg.rem * rows;
+    const int64_t w0 = at.mid * B, c_off = at.inner * V;
+    const int64_t top = o0 - lead_h, c0 = w0 - lead_w;
+    const int nout = static_cast<int>(dst_h - o0 < rows ? dst_h - o0 : rows);
     const T* image = src + n * src_h * src_w * C + c_off;
-    const int nrow_items = tih * ngroups * kBoxVectors;
-    for (int i = threadIdx.x; i < nrow_items; i += blockDim.x) {
-      const int q = i % kBoxVectors, rest = i / kBoxVectors;
-      const int g = rest % ngroups, r = rest / ngroups;
-      const int row = r0 + r, col0 = c0 + g * B;
-      const bool row_ok = row >= 0 && row < src_h;
-      const T* from = image + (row_ok ? static_cast<int64_t>(row) * src_w : 0) *
-                                  C + q * V;
-      VecT raw[NCOL];
+    T* out = dst + n * dst_h * dst_w * C + c_off;
+    // 1 / column factor: of the dy columns for the gather (0 outside dy),
+    // of the output columns for the forward.
+    constexpr int NF = kGather ? NCOL : B;
+    Acc wf[NF];
 #pragma unroll
-      for (int j = 0; j < NCOL; ++j) {
-        const int col = col0 + j;
-        const bool ok = row_ok && col >= 0 && col < src_w;
-        raw[j] = LoadOrZero<T, V>(from + (ok ? col : 0) * C, ok);
-      }
-      VecA out[B];
+    for (int u = 0; u < NF; ++u) {
+      const int64_t ow = kGather ? c0 + u : w0 + u;
+      wf[u] = ow >= 0 && ow < OW
+                  ? Reciprocal(WindowFactor<Acc>(
+                        a, WindowAt(ow, W, KW, 1, a.pad_left, a.pad_right),
+                        false))
+                  : Acc(0);
+    }
+    Acc acc[KH][B][V];
+    const int nr = nout + KH - 1;  // source rows under the segment
+    for (int base = 0; base < nr; base += KH) {
 #pragma unroll
-      for (int e = 0; e < V; ++e) {
-        Acc in[NCOL];
+      for (int k = 0; k < KH; ++k) {
+        const int r = base + k;
+        if (r >= nr) break;
+        const int64_t h = top + r;
+        const bool row_ok = h >= 0 && h < src_h;
+        Acc col[NCOL][V];
 #pragma unroll
         for (int j = 0; j < NCOL; ++j) {
-          in[j] = kGather ? N::Load(raw[j].v[e]) * cf[g * B + j]
-                          : N::Load(raw[j].v[e]);
+          const int64_t c = c0 + j;
+          const bool ok = row_ok && c >= 0 && c < src_w;
+          const VecT v = LoadOrZero<T, V>(image + (h * src_w + c) * C, ok);
+#pragma unroll
+          for (int e = 0; e < V; ++e) {
+            col[j][e] = kGather ? N::Load(v.v[e]) * wf[j] : N::Load(v.v[e]);
+          }
         }
-        Acc o[B];
-        SlidingSums<KW, B>([&](int j) { return in[j]; }, o);
-#pragma unroll
-        for (int b = 0; b < B; ++b) out[b].v[e] = kGather ? o[b] * rf[r] : o[b];
-      }
-      VecA* to = sums + (r * t.tow + g * B) * kBoxVectors + q;
-#pragma unroll
-      for (int b = 0; b < B; ++b) {
-        if (g * B + b < t.tow) to[b * kBoxVectors] = out[b];
-      }
-    }
-    __syncthreads();
-    // Down H: item (RB destination rows from o0, column ow, vector q).
-    const int nitems = (t.toh + RB - 1) / RB * t.tow * kBoxVectors;
-    for (int i = threadIdx.x; i < nitems; i += blockDim.x) {
-      const int q = i % kBoxVectors, rest = i / kBoxVectors;
-      const int ow = rest % t.tow, o0 = rest / t.tow * RB;
-      const VecA* col = sums + (o0 * t.tow + ow) * kBoxVectors + q;
-      VecA in[RB + KH - 1];
-#pragma unroll
-      for (int j = 0; j < RB + KH - 1; ++j) {
-        if (o0 + j < tih) {
-          in[j] = col[j * t.tow * kBoxVectors];
-        } else {
-#pragma unroll
-          for (int e = 0; e < V; ++e) in[j].v[e] = Acc(0);
+        Acc ws[B][V];
+        SlidingRows<KW>(col, ws);
+        // 1 / the dy row's factor for the gather.
+        Acc hf = Acc(1);
+        if constexpr (kGather) {
+          hf = row_ok ? Reciprocal(WindowFactor<Acc>(
+                            a, WindowAt(h, H, KH, 1, a.pad_top, a.pad_bottom),
+                            true))
+                      : Acc(0);
         }
-      }
-      Acc out[V][RB];
+        // Slot k starts destination row r; every slot takes source row r.
 #pragma unroll
-      for (int e = 0; e < V; ++e) {
-        SlidingSums<KH, RB>([&](int j) { return in[j].v[e]; }, out[e]);
-      }
-      const bool col_ok = ow0 + ow < dst_w;
+        for (int q = 0; q < KH; ++q) {
 #pragma unroll
-      for (int rr = 0; rr < RB; ++rr) {
-        const int o = o0 + rr;
-        if (!col_ok || o >= t.toh || oh0 + o >= dst_h) break;
-        const Acc scale = kGather ? Acc(1) : rf[o] * cf[ow];
-        VecT v;
+          for (int b = 0; b < B; ++b) {
 #pragma unroll
-        for (int e = 0; e < V; ++e) v.v[e] = N::Store(out[e][rr] * scale);
-        *reinterpret_cast<VecT*>(
-            dst + ((n * dst_h + oh0 + o) * static_cast<int64_t>(dst_w) + ow0 +
-                   ow) * C + c_off + q * V) = v;
+            for (int e = 0; e < V; ++e) {
+              if (q == k) acc[q][b][e] = Acc(0);
+              if constexpr (kGather) {
+                acc[q][b][e] += ws[b][e] * hf;
+              } else {
+                acc[q][b][e] += ws[b][e];
+              }
+            }
+          }
+        }
+        // Destination row r - KH + 1 (slot k + 1) has all its rows.
+        const int o = r - (KH - 1);
+        if (o >= 0) {
+          const int64_t oh = o0 + o;
+          Acc of = Acc(1);
+          if constexpr (!kGather) {
+            of = Reciprocal(WindowFactor<Acc>(
+                a, WindowAt(oh, H, KH, 1, a.pad_top, a.pad_bottom), true));
+          }
+          StoreChannelRun<T>(out + (oh * dst_w + w0) * C, C, dst_w - w0,
+                             acc[(k + 1) % KH], [&](int b) {
+                               return kGather ? Acc(1) : of * wf[b];
+                             });
+        }
       }
     }
   }
 }
 
-// Shared memory of a box tile: tih source rows of tow columns of sums, and
-// the factors of tih rows and of the columns under whole groups of B.
-template <typename T>
-size_t BoxBytes(int64_t tih, int64_t tow, int64_t kw, int64_t b) {
-  using Acc = typename Num<T>::Acc;
-  const int64_t cols = (tow + b - 1) / b * b + kw - 1;
-  return static_cast<size_t>(tih * tow * kBoxVectors * kWide<T> + tih + cols) *
-         sizeof(Acc);
+// Destination rows per item of SlideNhwc: the whole extent in segments of
+// at most 32 rows, split evenly. Each segment reloads the KH - 1 source rows
+// above it, but the items of one segment per image were too few to fill the
+// H200 on the 224-row bench case (float32 3x3/1: 225 us with two segments,
+// 219 with seven).
+inline int SlideRows(int64_t dst_h) {
+  const int64_t segs = std::max<int64_t>((dst_h + 31) / 32, 1);
+  return static_cast<int>(std::max<int64_t>((dst_h + segs - 1) / segs, 1));
 }
 
-// Shared memory per block: a 28 x 28 image in one tile for the 7 x 7
-// gather; fewer, larger tiles measured faster than more blocks per
-// multiprocessor with 24 to 48 KiB.
-constexpr size_t kBoxBudget = 96 * 1024;
-
-// The tiling of a dst_h x dst_w destination for a KH x KW box whose tiles
-// cover the fewest source positions in all (what the tiles read from L2;
-// the columns that adjacent groups of a tile share come from L1) within
-// the shared-memory budget, the widest among equals; false when none fits.
-template <typename T>
-bool ChooseBoxTiles(int KH, int KW, int B, int64_t dst_h, int64_t dst_w,
-                    BoxTiles& best) {
-  int64_t best_cost = -1;
-  for (int64_t tow = 1; tow <= std::min<int64_t>(dst_w, 64); ++tow) {
-    const int64_t per_row = static_cast<int64_t>(BoxBytes<T>(1, tow, KW, B));
-    const int64_t tih = std::min<int64_t>(
-        static_cast<int64_t>(kBoxBudget) / per_row, dst_h + KH - 1);
-    if (tih < KH) continue;
-    const int64_t tiles_w = (dst_w + tow - 1) / tow;
-    const int64_t tiles_h = (dst_h + (tih - KH)) / (tih - KH + 1);
-    const int64_t toh = (dst_h + tiles_h - 1) / tiles_h;
-    const int64_t cost = tiles_h * tiles_w * (toh + KH - 1) * (tow + KW - 1);
-    if (best_cost < 0 || cost <= best_cost) {
-      best_cost = cost;
-      best = {static_cast<int>(toh), static_cast<int>(tow),
-              static_cast<int>(tiles_h), static_cast<int>(tiles_w), 0, 0};
-    }
-  }
-  return best_cost >= 0;
-}
-
-// Runs the box kernel for a stride-1 NHWC specialisation of 5 or more
-// window rows when it applies: 16-bit element types, channels in whole
-// slices, 16-byte aligned buffers and extents that fit 32-bit tile
-// arithmetic. Returns false to leave the call to the register kernels.
 template <typename T, bool kGather, typename S>
-bool TryBoxNhwc(cudaStream_t stream, const PoolAttrs& a, const PoolShape& s,
-                const T* src, T* dst, cudaError_t& err) {
-  if constexpr (S::kGeneric || S::SH != 1 || S::SW != 1 || S::KH < 5 ||
-                sizeof(T) != 2) {
-    return false;
-  } else {
-    const auto aligned = [](const void* p) {
-      return reinterpret_cast<uintptr_t>(p) % 16 == 0;
-    };
-    constexpr int64_t kSmall = int64_t{1} << 30;
-    if (a.layout != kNHWC || s.channels % (kBoxVectors * kWide<T>) != 0 ||
-        !aligned(src) || !aligned(dst) || s.in_h >= kSmall ||
-        s.in_w >= kSmall || s.out_h >= kSmall || s.out_w >= kSmall ||
-        a.pad_top >= kSmall || a.pad_left >= kSmall ||
-        a.pad_bottom >= kSmall || a.pad_right >= kSmall) {
-      return false;
-    }
-    const int64_t dst_h = kGather ? s.in_h : s.out_h;
-    const int64_t dst_w = kGather ? s.in_w : s.out_w;
-    BoxTiles t;
-    if (!ChooseBoxTiles<T>(S::KH, S::KW, S::BLOCK, dst_h, dst_w, t)) {
-      return false;
-    }
-    t.lead_h = static_cast<int>(kGather ? S::KH - 1 - a.pad_top : a.pad_top);
-    t.lead_w = static_cast<int>(kGather ? S::KW - 1 - a.pad_left : a.pad_left);
-    const int64_t blocks = s.batch * (s.channels / (kBoxVectors * kWide<T>)) *
-                           int64_t{t.tiles_h} * t.tiles_w;
-    const size_t bytes =
-        BoxBytes<T>(t.toh + S::KH - 1, t.tow, S::KW, S::BLOCK);
-    const auto kernel = BoxNhwcTiled<T, S, kGather>;
-    // Above 48 KiB a kernel must opt in: always to the whole budget, so that
-    // a launch of fewer bytes on another thread cannot lower the maximum
-    // under this one; at each launch, since attributes are per device.
-    err = cudaFuncSetAttribute(kernel,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(kBoxBudget));
-    if (err != cudaSuccess) return true;
-    err = LaunchTiled(kernel, stream, blocks, bytes, a, s, src, dst, t);
-    return true;
+cudaError_t LaunchSlideNhwc(cudaStream_t stream, const PoolAttrs& a,
+                            const PoolShape& s, const T* src, T* dst) {
+  constexpr int B = kNhwcSlideBlock<S>;
+  constexpr int VW = kGather ? kWide<T> : kNhwcForwardWide<T, S>;
+  const int64_t dst_h = kGather ? s.in_h : s.out_h;
+  const int64_t dst_w = kGather ? s.in_w : s.out_w;
+  const int rows = SlideRows(dst_h);
+  const auto launch = [&](auto v) {
+    constexpr int V = decltype(v)::value;
+    const int64_t items = s.batch * Groups(dst_h, rows) * Groups(dst_w, B) *
+                          (s.channels / V);
+    return Launch(SlideNhwc<T, S, V, B, kGather>, stream, items, a, s, src,
+                  dst, rows);
+  };
+  if (CanVectorise<T, VW>(s, src, dst)) {
+    return launch(std::integral_constant<int, VW>{});
   }
+  return launch(std::integral_constant<int, 1>{});
 }
 
 template <typename S>
@@ -1567,10 +1461,9 @@ cudaError_t LaunchForward(cudaStream_t stream, DType dtype, const PoolAttrs& a,
         return Launch(ForwardNchw<T, S>, stream, rows * s.channels * groups, a,
                       s, in, out);
       }
-      if (cudaError_t err; TryBoxNhwc<T, false, S>(stream, a, s, in, out, err)) {
-        return err;
-      }
-      if constexpr (!S::kGeneric) {
+      if constexpr (!S::kGeneric && S::SH == 1 && S::SW == 1) {
+        return LaunchSlideNhwc<T, false, S>(stream, a, s, in, out);
+      } else if constexpr (!S::kGeneric) {
         const auto launch = [&](auto v) {
           constexpr int V = decltype(v)::value;
           constexpr int R = kNhwcRows<T, S>;
@@ -1645,10 +1538,9 @@ cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
         return Launch(GatherNchw<T, S>, stream, rows * s.channels * groups, a,
                       s, in, out);
       }
-      if (cudaError_t err; TryBoxNhwc<T, true, S>(stream, a, s, in, out, err)) {
-        return err;
-      }
-      if constexpr (!S::kGeneric) {
+      if constexpr (!S::kGeneric && S::SH == 1 && S::SW == 1) {
+        return LaunchSlideNhwc<T, true, S>(stream, a, s, in, out);
+      } else if constexpr (!S::kGeneric) {
         const auto launch = [&](auto v) {
           constexpr int V = decltype(v)::value;
           constexpr int R = kNhwcGatherRows<S>;
@@ -1662,8 +1554,8 @@ cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
             });
           });
         };
-        if (CanVectorise<T, kNhwcGatherWide<T, S>>(s, dy, dx)) {
-          return launch(std::integral_constant<int, kNhwcGatherWide<T, S>>{});
+        if (CanVectorise<T>(s, dy, dx)) {
+          return launch(std::integral_constant<int, kWide<T>>{});
         }
         return launch(std::integral_constant<int, 1>{});
       } else {

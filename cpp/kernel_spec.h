@@ -15,7 +15,7 @@ namespace jax_avgpool {
 // Compile-time constants of one kernel: window KH x KW, strides SH, SW, and
 // BLOCK adjacent outputs along W per thread (for the gather backward: the
 // inputs under BLOCK adjacent outputs in the NCHW row kernels, BLOCK
-// adjacent inputs elsewhere). KH == 0 marks the generic kernel, whose window
+// adjacent inputs elsewhere; BlockOf below for the NHWC stride-1 kernels). KH == 0 marks the generic kernel, whose window
 // and strides are runtime values.
 template <int KH_, int KW_, int SH_, int SW_, int BLOCK_>
 struct Spec {
@@ -55,6 +55,20 @@ inline std::string KernelName(Op op, int64_t layout) {
   return name;
 }
 
+// Adjacent columns per work item of the NHWC forward and gather kernels
+// for stride 1, which hold KH rows of BLOCK accumulators in registers: two
+// for windows wider than 3 columns, the Spec's BLOCK otherwise.
+template <typename S>
+constexpr int kNhwcSlideBlock = S::KW > 3 ? 2 : S::BLOCK;
+
+// The BLOCK of the kernel that op launches for layout.
+template <typename S>
+constexpr int BlockOf(Op op, int64_t layout) {
+  const bool slide = layout == kNHWC && op != Op::kBackwardScatter &&
+                     S::SH == 1 && S::SW == 1;
+  return slide ? kNhwcSlideBlock<S> : S::BLOCK;
+}
+
 // name + dtype + constants joined by "__", e.g.
 // avgpool2d_backward_gather__bf16__3__3__2__2__4, or ...__f32__generic.
 template <typename S>
@@ -63,7 +77,7 @@ std::string KernelId(Op op, int64_t layout, const std::string& dtype) {
   if constexpr (S::kGeneric) {
     return id + "__generic";
   } else {
-    for (int v : {S::KH, S::KW, S::SH, S::SW, S::BLOCK}) {
+    for (int v : {S::KH, S::KW, S::SH, S::SW, BlockOf<S>(op, layout)}) {
       id += "__" + std::to_string(v);
     }
     return id;

@@ -186,9 +186,9 @@ def _specialised_cases() -> list:
     divisor rule (shapes in NCHW order). NCHW: rows wide enough to span several
     warps of 16-byte chunks and short enough to leave ragged row blocks. NHWC:
     heights and widths that leave ragged blocks of rows and columns, with
-    channels that fill 16-byte vectors and channels that do not, and wider
-    images whose channels make several slices of the shared-memory tiles of
-    the 7x7/1 window, in several ragged tiles."""
+    channels that fill 16-byte vectors and channels that do not, and images
+    more than 32 rows high, which the stride-1 kernels cover in several
+    segments of rows."""
     shapes = {
         "NCHW": (
             ((2, 3, 13, 8 * 37), {}),
