@@ -57,16 +57,19 @@ inline std::string KernelName(Op op, int64_t layout) {
 
 // Adjacent columns per work item of the NHWC forward and gather kernels
 // for stride 1, which hold KH rows of BLOCK accumulators in registers: two
-// for windows wider than 3 columns, the Spec's BLOCK otherwise.
+// for the gather and for windows wider than 3 columns, the Spec's BLOCK for
+// the others.
 template <typename S>
-constexpr int kNhwcSlideBlock = S::KW > 3 ? 2 : S::BLOCK;
+constexpr int NhwcSlideBlock(bool gather) {
+  return gather || S::KW > 3 ? 2 : S::BLOCK;
+}
 
 // The BLOCK of the kernel that op launches for layout.
 template <typename S>
 constexpr int BlockOf(Op op, int64_t layout) {
   const bool slide = layout == kNHWC && op != Op::kBackwardScatter &&
                      S::SH == 1 && S::SW == 1;
-  return slide ? kNhwcSlideBlock<S> : S::BLOCK;
+  return slide ? NhwcSlideBlock<S>(op == Op::kBackwardGather) : S::BLOCK;
 }
 
 // name + dtype + constants joined by "__", e.g.
