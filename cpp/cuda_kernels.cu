@@ -9,10 +9,11 @@
 //   "NCHW row kernels" below.
 // - NHWC kernels: a work item is BLOCK adjacent outputs (forward) or inputs
 //   (gather) along W times one vector of V channels, so a warp's accesses
-//   are contiguous channel vectors; for the specialisations, of a block of
-//   rows, so that rows which vertically overlapping windows share are loaded
-//   once. For 16-bit types and stride-1 windows of 5 rows or more, shared-
-//   memory box tiles instead; see "NHWC, stride 1, through shared memory".
+//   are contiguous channel vectors; for the stride-2 specialisations, of a
+//   block of rows, so that rows which vertically overlapping windows share
+//   are loaded once; for the stride-1 ones, of a segment of rows that the
+//   item walks down, loading each source row once; see "NHWC, stride 1: a
+//   sliding window down H".
 // - Direct NCHW kernels for every other call: grid-stride loops over BLOCK
 //   adjacent outputs or inputs along W, and a shared-memory tiled gather for
 //   heavily overlapping generic windows.
