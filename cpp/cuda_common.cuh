@@ -193,8 +193,7 @@ __device__ __forceinline__ void StoreRun(T* out, const Acc (&acc)[B], int64_t n,
 // not a multiple of B (a 22-wide output row of 4-element runs) that is 2:
 // half the accesses of element-wise ones, each touching fewer sectors.
 template <typename T, int B>
-__host__ __device__ __forceinline__ int RunPiece(const void* base,
-                                                 int64_t row) {
+inline int RunPiece(const void* base, int64_t row) {
   static_assert(B > 0 && (B & (B - 1)) == 0);
   int p = B;
   while (p > 1 && (sizeof(T) * p > 16 || row % p != 0 ||

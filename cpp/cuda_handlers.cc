@@ -5,6 +5,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -115,10 +116,19 @@ ffi::Error BackwardCuda(cudaStream_t stream,             // stream
 bool CudaScatterNeedsWorkspace(const PoolAttrs& a,
                                const std::vector<int64_t>& dx_dims,
                                const std::string& dtype) {
-  const cuda::DType type = dtype == "f16"    ? cuda::DType::kF16
-                           : dtype == "bf16" ? cuda::DType::kBF16
-                           : dtype == "f32"  ? cuda::DType::kF32
-                                             : cuda::DType::kF64;
+  cuda::DType type;
+  if (dtype == "f16") {
+    type = cuda::DType::kF16;
+  } else if (dtype == "bf16") {
+    type = cuda::DType::kBF16;
+  } else if (dtype == "f32") {
+    type = cuda::DType::kF32;
+  } else if (dtype == "f64") {
+    type = cuda::DType::kF64;
+  } else {
+    throw std::invalid_argument("dtype: expected f16, bf16, f32 or f64, got " +
+                                dtype);
+  }
   return cuda::ScatterNeedsWorkspace(type, a, FoldShape(a, dx_dims));
 }
 

@@ -16,7 +16,8 @@ namespace jax_avgpool {
 
 // Whether the CUDA scatter backward of a dx of `dx_dims` and element type
 // `dtype` (a kernel-id name: "f16", "bf16", "f32" or "f64") needs the float32
-// workspace as the custom call's second result; for the lowering.
+// workspace as the custom call's second result; for the lowering. Throws
+// std::invalid_argument for any other dtype name.
 bool CudaScatterNeedsWorkspace(const PoolAttrs& a,
                                const std::vector<int64_t>& dx_dims,
                                const std::string& dtype);
