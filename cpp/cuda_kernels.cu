@@ -9,11 +9,10 @@
 //   "NCHW row kernels" below.
 // - NHWC kernels: a work item is BLOCK adjacent outputs (forward) or inputs
 //   (gather) along W times one vector of V channels, so a warp's accesses
-//   are contiguous channel vectors; for the stride-2 specialisations, of a
-//   block of rows, so that rows which vertically overlapping windows share
-//   are loaded once; for the stride-1 ones, of a segment of rows that the
-//   item walks down, loading each source row once; see "NHWC, stride 1: a
-//   sliding window down H".
+//   are contiguous channel vectors. For the specialisations, of a segment
+//   of rows that the item walks down, loading each source row once, for
+//   stride 1 and the 3x3/2 forward (see "NHWC: a sliding window down H");
+//   of a block of rows for the others.
 // - Direct NCHW kernels for every other call: grid-stride loops over BLOCK
 //   adjacent outputs or inputs along W, and a shared-memory tiled gather for
 //   heavily overlapping generic windows.
@@ -258,47 +257,51 @@ __device__ __forceinline__ void StoreChannelRun(T* row, int64_t C, int64_t n,
   }
 }
 
-// NHWC specialisations of stride 2 (stride 1 has SlideNhwc below): how
-// many output rows (forward) or input rows (gather) a work item covers, so
-// that the input rows which vertically overlapping windows share are
-// loaded once, and how many channels it takes (kNhwcForwardWide below; 16
-// bytes for the gather). Chosen by timing on the H200 (bench shapes):
-// - Forward: two for float32 3x3/2; one for 16-bit types, whose 3x3/2 item
-//   then takes eight channels (79 against 88 us with four channels and two
-//   rows). Where windows do not overlap vertically, two rows for float32
-//   (2x2/2: 124 against 138 us with one), else one.
+// Work item i of the NHWC row kernels, over (image, block of `rows` rows,
+// group of `cols` columns, vector of V channels), the last varying
+// fastest: image n, first row r0, first column w0 and first channel c0.
+struct NhwcItem {
+  int64_t n, r0, w0, c0;
+};
+__device__ __forceinline__ NhwcItem NhwcItemAt(int64_t i, int64_t blocks,
+                                               int64_t groups, int64_t vectors,
+                                               int rows, int cols, int V,
+                                               bool narrow) {
+  const Split3 at = Decompose(i, groups, vectors, narrow);
+  const Split2 n_blk = DivMod(at.outer, blocks, narrow);
+  return {n_blk.quot, n_blk.rem * rows, at.mid * cols, at.inner * V};
+}
+
+// NHWC row kernels of the specialisations that do not slide (NhwcSlides
+// in kernel_spec.h: the forward of windows that do not overlap vertically,
+// 2x2/2, and the strided gathers): how many output rows (forward) or input
+// rows (gather) a work item covers, so that the input rows which
+// vertically overlapping windows share are loaded once, and how many
+// channels it takes (kNhwcForwardWide below; 16 bytes for the gather).
+// Chosen by timing on the H200 (bench shapes):
+// - Forward: two rows for float32 (2x2/2: 124 against 138 us with one),
+//   else one.
 // - Gather: a multiple of SH; two for 3x3/2.
 template <typename T, typename S>
-constexpr int kNhwcRows =
-    S::SH >= S::KH ? (sizeof(T) == 4 ? 2 : 1) : (sizeof(T) == 2 ? 1 : 2);
+constexpr int kNhwcRows = sizeof(T) == 4 ? 2 : 1;
 template <typename S>
 constexpr int kNhwcGatherRows = S::SH >= S::KH ? S::SH : 2;
 
 // Blocks per multiprocessor the NHWC forward row-block kernel is compiled
-// for: two for the float32 and float64 3x3/2, whose float32 instance
-// otherwise takes 134 registers per thread (all 45 loads of an item
-// hoisted), one block per multiprocessor; capped at 128 it does not spill.
-// Two for the 16-bit windows that do not overlap vertically: the 2x2/2
-// item of eight channels then takes 106 registers instead of 84 and
-// measured faster (65 against 76 us). 0 leaves the others to the compiler:
-// wider windows spill under the cap, and an explicit 1 lets it take more
-// registers than it does by default; the 16-bit 3x3/2 item of one row of
-// eight channels measured faster uncapped (126 registers; 79 against
-// 83 us).
+// for: two for 16-bit types, whose 2x2/2 item of eight channels then takes
+// 106 registers instead of 84 and measured faster (65 against 76 us); 0
+// leaves the others to the compiler.
 template <typename T, typename S>
-constexpr int kNhwcForwardBlocks =
-    (S::KH == 3 && S::SH == 2 && sizeof(T) >= 4) ||
-            (S::SH >= S::KH && sizeof(T) == 2)
-        ? 2
-        : 0;
+constexpr int kNhwcForwardBlocks = sizeof(T) == 2 ? 2 : 0;
 
-// NHWC forward, specialisations of stride 2 (SlideNhwc does stride 1): a
-// work item is (image n, block of R output rows, group of BLOCK outputs
-// along W, vector of V channels). Each of the (R - 1) * SH + KH input rows
-// under the block is loaded once (the (BLOCK - 1) * SW + KW columns under
-// the group), summed along W into the BLOCK window sums of that row, which
-// are added to the output rows whose windows hold the row (known at compile
-// time). Rows and columns outside the input are predicated off.
+// NHWC forward, specialisations of windows that do not overlap vertically
+// (SlideNhwc does the others): a work item is (image n, block of R output
+// rows, group of BLOCK outputs along W, vector of V channels). Each of the
+// (R - 1) * SH + KH input rows under the block is loaded once (the
+// (BLOCK - 1) * SW + KW columns under the group) and summed along W into
+// the BLOCK window sums of that row, which are added to the output row
+// whose window holds the row. Rows and columns outside the input are
+// predicated off.
 template <typename T, typename S, int V, int R>
 __global__ void __launch_bounds__(kThreads, kNhwcForwardBlocks<T, S>)
     ForwardNhwcRows(const PoolAttrs a, const PoolShape s,
@@ -308,6 +311,7 @@ __global__ void __launch_bounds__(kThreads, kNhwcForwardBlocks<T, S>)
   using Acc = typename N::Acc;
   using VecT = Vec<T, V>;
   constexpr int KH = S::KH, KW = S::KW, SH = S::SH, SW = S::SW, B = S::BLOCK;
+  static_assert(SH >= KH);
   constexpr int NCOL = (B - 1) * SW + KW;  // input columns per item
   constexpr int NR = (R - 1) * SH + KH;    // input rows per item
   const int64_t H = s.in_h, W = s.in_w, OH = s.out_h, OW = s.out_w;
@@ -315,10 +319,8 @@ __global__ void __launch_bounds__(kThreads, kNhwcForwardBlocks<T, S>)
   const int64_t groups = (OW + B - 1) / B, blocks = (OH + R - 1) / R;
   const bool narrow = total <= INT32_MAX;
   for (int64_t i = FirstThread(); i < total; i += ThreadCount()) {
-    const Split3 at = Decompose(i, groups, CV, narrow);
-    const Split2 n_blk = DivMod(at.outer, blocks, narrow);
-    const int64_t n = n_blk.quot, oh0 = n_blk.rem * R;
-    const int64_t ow0 = at.mid * B, c_off = at.inner * V;
+    const NhwcItem it = NhwcItemAt(i, blocks, groups, CV, R, B, V, narrow);
+    const int64_t n = it.n, oh0 = it.r0, ow0 = it.w0, c_off = it.c0;
     const int64_t top = oh0 * SH - a.pad_top, c0 = ow0 * SW - a.pad_left;
     const T* image = x + n * H * W * C + c_off;
     Acc acc[R][B][V];
@@ -529,10 +531,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t groups = (W + B - 1) / B, blocks = (H + R - 1) / R;
   const bool narrow = total <= INT32_MAX;
   for (int64_t i = FirstThread(); i < total; i += ThreadCount()) {
-    const Split3 at = Decompose(i, groups, CV, narrow);
-    const Split2 n_blk = DivMod(at.outer, blocks, narrow);
-    const int64_t n = n_blk.quot, h0 = n_blk.rem * R;
-    const int64_t w0 = at.mid * B, c_off = at.inner * V;
+    const NhwcItem it = NhwcItemAt(i, blocks, groups, CV, R, B, V, narrow);
+    const int64_t n = it.n, h0 = it.r0, w0 = it.w0, c_off = it.c0;
     const int64_t ow_lo = (w0 + a.pad_left - CW) / SW;  // exact
     const int64_t oh_lo = (h0 + a.pad_top - CH) / SH;   // exact
     const T* image = dy + n * OH * OW * C + c_off;
@@ -1044,7 +1044,7 @@ __global__ void __launch_bounds__(kThreads)
 //   16-bit types (float32 202 against 211 us with 4, bfloat16 168 against
 //   204). 2x2/2: 2, or 4 for 16-bit types (float32 131 against 136 us with
 //   4). 3x3/2: 4, or 8 for 16-bit types (79 against 83 us).
-template <typename T, typename S, int PIECE = 0>
+template <typename T, typename S, int PIECE>
 constexpr int kRowsPerItem =
     S::SH != 1                       ? 2
     : PIECE == 2 && sizeof(T) == 2   ? 8
@@ -1254,41 +1254,48 @@ cudaError_t LaunchTiled(void (*kernel)(KArgs...), cudaStream_t stream,
 }
 
 // ---------------------------------------------------------------------------
-// NHWC, stride 1: a sliding window down H. With stride 1 the gather is the
-// forward's box filter run backwards: dx[h, w] sums dy over rows h - LEAD_H
-// .. h - LEAD_H + KH - 1 (LEAD_H = KH - 1 - pad_top) and likewise along W,
-// each dy element first divided by its divisor; the forward sums x over
-// rows oh - pad_top .. oh - pad_top + KH - 1 and divides the sum. So one
-// kernel does both. A work item is (image n, segment of up to `rows`
-// destination rows, B adjacent destination columns, vector of V channels).
-// It walks down the source rows under the segment, loading each once: the
-// B + KW - 1 columns of a row are summed along W into B sliding sums, which
-// are added to the KH destination rows whose windows hold the row. Those KH
-// rows of accumulators form a ring in registers (row o in slot o mod KH,
-// the loop unrolled KH rows at a time so that slots are compile-time
-// indices); a destination row is stored as soon as its last source row is
-// added, and its slot restarts for the row KH below. Each destination row
-// sums its source rows in ascending order.
-//
-// B is NhwcSlideBlock (kernel_spec.h): the Spec's four for the forward of
-// 3-column windows; two for wider windows, whose KH rows of four columns
-// overflow the registers, and for the gather, which measured faster with
-// two (float32 3x3/1: 227 against 233 us; bfloat16 146 against 158).
+// NHWC: a sliding window down H, for stride 1 (forward and gather) and the
+// forward of square strided windows that overlap vertically (3x3/2); see
+// NhwcSlides in kernel_spec.h. With stride 1 the gather is the forward's
+// box filter run backwards: dx[h, w] sums dy over rows h - LEAD_H .. h -
+// LEAD_H + KH - 1 (LEAD_H = KH - 1 - pad_top) and likewise along W, each dy
+// element first divided by its divisor; the forward sums x over rows
+// oh - pad_top .. oh - pad_top + KH - 1 and divides the sum. So one kernel
+// does both. A work item is (image n, segment of up to `rows` destination
+// rows, B adjacent destination columns, vector of V channels). It walks
+// down the source rows under the segment, loading each once: the
+// (B - 1) * SS + KW columns of a row are summed along W into the B window
+// sums of that row, which are added to the destination rows whose windows
+// hold the row, NS = ceil(KH / SS) of them at most. Those NS rows of
+// accumulators form a ring in registers (row o in slot o mod NS; the loop
+// unrolled NS * SS rows at a time, so that which slots a row goes to is
+// known at compile time); a destination row is stored as soon as its last
+// source row is added, and its slot restarts with the first row of the
+// destination row NS below. Each destination row sums its source rows in
+// ascending order.
 //
 // The register kernels it replaced held R whole rows of outputs per item
-// and loaded the R + KH - 1 source rows under them, so each source row was
-// loaded about KH / R + 1 times, and their registers left one block per
-// multiprocessor; a shared-memory box kernel did the 16-bit 7x7/1. On the
-// H200 (bench shapes, us, forward / gather): float32 3x3/1 219 / 227
-// against 258 / 280, float32 7x7/1 78 / 90 against 87 / 123, bfloat16
-// 7x7/1 66 / 79 against 81 / 103.
+// and loaded the (R - 1) * SS + KH source rows under them, so each source
+// row was loaded about KH / (R * SS) + 1 times, and stride 1 left one block
+// of those registers per multiprocessor; a shared-memory box kernel did
+// the 16-bit 7x7/1. On the H200 (bench shapes, us, forward / gather):
+// float32 3x3/1 219 / 227 against 258 / 280, float32 7x7/1 78 / 90 against
+// 87 / 123, bfloat16 7x7/1 66 / 79 against 81 / 103; forward 3x3/2 123
+// against 131 (float32) and 75 against 80 (bfloat16).
 //
-// Blocks per multiprocessor SlideNhwc is compiled for: two for the float32
-// 7x7/1, which then takes 128 registers and spills a few bytes, and
-// measured faster than uncapped at 136 (forward 78 against 97 us); 0 leaves
-// the others to the compiler.
+// B is NhwcSlideBlock (kernel_spec.h): the Spec's four for the forward of
+// 3-column windows in float32; two for wider windows, whose KH rows of
+// four columns overflow the registers, for the 16-bit 3x3/2 (75 against
+// 89 us with four) and for the gather, which measured faster with two
+// (float32 3x3/1: 227 against 233 us; bfloat16 146 against 158).
+//
+// Blocks per multiprocessor it is compiled for: two for the float32 7x7/1
+// and 3x3/2, which then take 128 registers (the 7x7/1 spills a few bytes)
+// and measured faster than uncapped at 136 and 140 (forward 78 against
+// 97 us and 123 against 151); 0 leaves the others to the compiler.
 template <typename T, typename S>
-constexpr int kNhwcSlideBlocks = S::KH > 3 && sizeof(T) == 4 ? 2 : 0;
+constexpr int kNhwcSlideBlocks =
+    (S::KH > 3 || S::SH > 1) && sizeof(T) == 4 ? 2 : 0;
 
 template <typename T, typename S, int V, int B, bool kGather>
 __global__ void __launch_bounds__(kThreads, kNhwcSlideBlocks<T, S>)
@@ -1297,8 +1304,11 @@ __global__ void __launch_bounds__(kThreads, kNhwcSlideBlocks<T, S>)
   using N = Num<T>;
   using Acc = typename N::Acc;
   using VecT = Vec<T, V>;
-  constexpr int KH = S::KH, KW = S::KW, NCOL = B + KW - 1;
-  static_assert(S::SH == 1 && S::SW == 1);
+  constexpr int KH = S::KH, KW = S::KW, SS = S::SH;
+  constexpr int NCOL = (B - 1) * SS + KW;     // source columns per item
+  constexpr int NS = (KH + SS - 1) / SS;      // ring slots
+  constexpr int P = NS * SS;                  // rows per unrolled period
+  static_assert(S::SW == SS && (SS == 1 || !kGather));
   const int64_t H = s.in_h, W = s.in_w, OH = s.out_h, OW = s.out_w;
   const int64_t src_h = kGather ? OH : H, src_w = kGather ? OW : W;
   const int64_t dst_h = kGather ? H : OH, dst_w = kGather ? W : OW;
@@ -1309,32 +1319,30 @@ __global__ void __launch_bounds__(kThreads, kNhwcSlideBlocks<T, S>)
   const int64_t lead_w = kGather ? KW - 1 - a.pad_left : a.pad_left;
   const bool narrow = total <= INT32_MAX;
   for (int64_t i = FirstThread(); i < total; i += ThreadCount()) {
-    const Split3 at = Decompose(i, groups, CV, narrow);
-    const Split2 n_seg = DivMod(at.outer, segs, narrow);
-    const int64_t n = n_seg.quot, o0 = n_seg.rem * rows;
-    const int64_t w0 = at.mid * B, c_off = at.inner * V;
-    const int64_t top = o0 - lead_h, c0 = w0 - lead_w;
-    const int nout = static_cast<int>(dst_h - o0 < rows ? dst_h - o0 : rows);
-    const T* image = src + n * src_h * src_w * C + c_off;
-    T* out = dst + n * dst_h * dst_w * C + c_off;
+    const NhwcItem it = NhwcItemAt(i, segs, groups, CV, rows, B, V, narrow);
+    const int64_t top = it.r0 * SS - lead_h, c0 = it.w0 * SS - lead_w;
+    const int nout =
+        static_cast<int>(dst_h - it.r0 < rows ? dst_h - it.r0 : rows);
+    const T* image = src + it.n * src_h * src_w * C + it.c0;
+    T* out = dst + it.n * dst_h * dst_w * C + it.c0;
     // 1 / column factor: of the dy columns for the gather (0 outside dy),
     // of the output columns for the forward.
     constexpr int NF = kGather ? NCOL : B;
     Acc wf[NF];
 #pragma unroll
     for (int u = 0; u < NF; ++u) {
-      const int64_t ow = kGather ? c0 + u : w0 + u;
+      const int64_t ow = kGather ? c0 + u : it.w0 + u;
       wf[u] = ow >= 0 && ow < OW
                   ? Reciprocal(WindowFactor<Acc>(
-                        a, WindowAt(ow, W, KW, 1, a.pad_left, a.pad_right),
+                        a, WindowAt(ow, W, KW, SS, a.pad_left, a.pad_right),
                         false))
                   : Acc(0);
     }
-    Acc acc[KH][B][V];
-    const int nr = nout + KH - 1;  // source rows under the segment
-    for (int base = 0; base < nr; base += KH) {
+    Acc acc[NS][B][V];
+    const int nr = (nout - 1) * SS + KH;  // source rows under the segment
+    for (int base = 0; base < nr; base += P) {
 #pragma unroll
-      for (int k = 0; k < KH; ++k) {
+      for (int k = 0; k < P; ++k) {
         const int r = base + k;
         if (r >= nr) break;
         const int64_t h = top + r;
@@ -1350,8 +1358,22 @@ __global__ void __launch_bounds__(kThreads, kNhwcSlideBlocks<T, S>)
             col[j][e] = kGather ? N::Load(v.v[e]) * wf[j] : N::Load(v.v[e]);
           }
         }
-        Acc ws[B][V];
-        SlidingRows<KW>(col, ws);
+        Acc ws[B][V];  // row r summed over the columns of each window
+        if constexpr (SS == 1) {
+          SlidingRows<KW>(col, ws);  // sharing the windows' common columns
+        } else {
+          FillZero(ws);
+#pragma unroll
+          for (int j = 0; j < NCOL; ++j) {
+#pragma unroll
+            for (int b = 0; b < B; ++b) {
+              if (j - b * SS >= 0 && j - b * SS < KW) {
+#pragma unroll
+                for (int e = 0; e < V; ++e) ws[b][e] += col[j][e];
+              }
+            }
+          }
+        }
         // 1 / the dy row's factor for the gather.
         Acc hf = Acc(1);
         if constexpr (kGather) {
@@ -1360,33 +1382,46 @@ __global__ void __launch_bounds__(kThreads, kNhwcSlideBlocks<T, S>)
                             true))
                       : Acc(0);
         }
-        // Slot k starts destination row r; every slot takes source row r.
+        // Slot q holds destination row r / SS - t, whose window holds row
+        // r if it reaches that far (with stride 1, every slot's does); row r
+        // starts it when t = 0 and k is a multiple of SS (slot k with
+        // stride 1). The stride-1 conditions are spelled apart: the general
+        // ones, equal after unrolling, cost the float32 7x7/1 forward 216
+        // bytes of spills instead of 44, and its bfloat16 instance 156
+        // registers instead of 128.
 #pragma unroll
-        for (int q = 0; q < KH; ++q) {
+        for (int q = 0; q < NS; ++q) {
+          const int t = (k / SS - q + NS) % NS;
+          if (SS == 1 || k % SS + t * SS < KH) {
 #pragma unroll
-          for (int b = 0; b < B; ++b) {
+            for (int b = 0; b < B; ++b) {
 #pragma unroll
-            for (int e = 0; e < V; ++e) {
-              if (q == k) acc[q][b][e] = Acc(0);
-              if constexpr (kGather) {
-                acc[q][b][e] += ws[b][e] * hf;
-              } else {
-                acc[q][b][e] += ws[b][e];
+              for (int e = 0; e < V; ++e) {
+                if (SS == 1 ? q == k : t == 0 && k % SS == 0) {
+                  acc[q][b][e] = Acc(0);
+                }
+                if constexpr (kGather) {
+                  acc[q][b][e] += ws[b][e] * hf;
+                } else {
+                  acc[q][b][e] += ws[b][e];
+                }
               }
             }
           }
         }
-        // Destination row r - KH + 1 (slot k + 1) has all its rows.
+        // Destination row o / SS has all its rows when SS divides o.
         const int o = r - (KH - 1);
-        if (o >= 0) {
-          const int64_t oh = o0 + o;
+        if (o >= 0 && (SS == 1 || (k - KH + 1) % SS == 0)) {
+          const int slot =
+              SS == 1 ? (k + 1) % NS : ((k - KH + 1) / SS % NS + NS) % NS;
+          const int64_t oh = it.r0 + o / SS;
           Acc of = Acc(1);
           if constexpr (!kGather) {
             of = Reciprocal(WindowFactor<Acc>(
-                a, WindowAt(oh, H, KH, 1, a.pad_top, a.pad_bottom), true));
+                a, WindowAt(oh, H, KH, SS, a.pad_top, a.pad_bottom), true));
           }
-          StoreChannelRun<T>(out + (oh * dst_w + w0) * C, C, dst_w - w0,
-                             acc[(k + 1) % KH], [&](int b) {
+          StoreChannelRun<T>(out + (oh * dst_w + it.w0) * C, C,
+                             dst_w - it.w0, acc[slot], [&](int b) {
                                return kGather ? Acc(1) : of * wf[b];
                              });
         }
@@ -1396,10 +1431,10 @@ __global__ void __launch_bounds__(kThreads, kNhwcSlideBlocks<T, S>)
 }
 
 // Destination rows per item of SlideNhwc: the whole extent in segments of
-// at most 32 rows, split evenly. Each segment reloads the KH - 1 source rows
-// above it, but the items of one segment per image were too few to fill the
-// H200 on the 224-row bench case (float32 3x3/1: 225 us with two segments,
-// 219 with seven).
+// at most 32 rows, split evenly. Each segment reloads the source rows that
+// the one above it loaded too, but the items of one segment per image were
+// too few to fill the H200 on the 224-row bench case (float32 3x3/1:
+// 225 us with two segments, 219 with seven).
 inline int SlideRows(int64_t dst_h) {
   const int64_t segs = std::max<int64_t>((dst_h + 31) / 32, 1);
   return static_cast<int>(std::max<int64_t>((dst_h + segs - 1) / segs, 1));
@@ -1408,7 +1443,9 @@ inline int SlideRows(int64_t dst_h) {
 template <typename T, bool kGather, typename S>
 cudaError_t LaunchSlideNhwc(cudaStream_t stream, const PoolAttrs& a,
                             const PoolShape& s, const T* src, T* dst) {
-  constexpr int B = NhwcSlideBlock<S>(kGather);
+  constexpr Op kOp = kGather ? Op::kBackwardGather : Op::kForward;
+  static_assert(NhwcSlides<S>(kOp));
+  constexpr int B = NhwcSlideBlock<S>(kOp, static_cast<int>(sizeof(T)));
   constexpr int VW = kGather ? kWide<T> : kNhwcForwardWide<T, S>;
   const int64_t dst_h = kGather ? s.in_h : s.out_h;
   const int64_t dst_w = kGather ? s.in_w : s.out_w;
@@ -1467,7 +1504,7 @@ cudaError_t LaunchForward(cudaStream_t stream, DType dtype, const PoolAttrs& a,
         return Launch(ForwardNchw<T, S>, stream, rows * s.channels * groups, a,
                       s, in, out);
       }
-      if constexpr (!S::kGeneric && S::SH == 1 && S::SW == 1) {
+      if constexpr (NhwcSlides<S>(Op::kForward)) {
         return LaunchSlideNhwc<T, false, S>(stream, a, s, in, out);
       } else if constexpr (!S::kGeneric) {
         const auto launch = [&](auto v) {
@@ -1544,7 +1581,7 @@ cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
         return Launch(GatherNchw<T, S>, stream, rows * s.channels * groups, a,
                       s, in, out);
       }
-      if constexpr (!S::kGeneric && S::SH == 1 && S::SW == 1) {
+      if constexpr (NhwcSlides<S>(Op::kBackwardGather)) {
         return LaunchSlideNhwc<T, true, S>(stream, a, s, in, out);
       } else if constexpr (!S::kGeneric) {
         const auto launch = [&](auto v) {

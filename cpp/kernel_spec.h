@@ -15,7 +15,7 @@ namespace jax_avgpool {
 // Compile-time constants of one kernel: window KH x KW, strides SH, SW, and
 // BLOCK adjacent outputs along W per thread (for the gather backward: the
 // inputs under BLOCK adjacent outputs in the NCHW row kernels, BLOCK
-// adjacent inputs elsewhere; BlockOf below for the NHWC stride-1 kernels). KH == 0 marks the generic kernel, whose window
+// adjacent inputs elsewhere; BlockOf below for the NHWC sliding kernel). KH == 0 marks the generic kernel, whose window
 // and strides are runtime values.
 template <int KH_, int KW_, int SH_, int SW_, int BLOCK_>
 struct Spec {
@@ -55,21 +55,40 @@ inline std::string KernelName(Op op, int64_t layout) {
   return name;
 }
 
-// Adjacent columns per work item of the NHWC forward and gather kernels
-// for stride 1, which hold KH rows of BLOCK accumulators in registers: two
-// for the gather and for windows wider than 3 columns, the Spec's BLOCK for
-// the others.
+// Whether op runs the NHWC sliding-window kernel, whose work items walk
+// down a segment of rows holding the output rows still open in registers:
+// for stride 1, and for the forward of square windows of equal strides
+// that overlap vertically (3x3/2).
 template <typename S>
-constexpr int NhwcSlideBlock(bool gather) {
-  return gather || S::KW > 3 ? 2 : S::BLOCK;
+constexpr bool NhwcSlides(Op op) {
+  if (S::kGeneric || op == Op::kBackwardScatter) return false;
+  if (S::SH == 1 && S::SW == 1) return true;
+  return op == Op::kForward && S::SH == S::SW && S::KH == S::KW &&
+         S::KH > S::SH;
 }
 
-// The BLOCK of the kernel that op launches for layout.
+// Adjacent columns per work item of the sliding kernel, for elements of
+// `bytes` bytes: two for the gather, for windows wider than 3 columns and
+// for 16-bit strided windows, whose accumulators would otherwise overflow
+// the registers or measured slower; the Spec's BLOCK for the others.
 template <typename S>
-constexpr int BlockOf(Op op, int64_t layout) {
-  const bool slide = layout == kNHWC && op != Op::kBackwardScatter &&
-                     S::SH == 1 && S::SW == 1;
-  return slide ? NhwcSlideBlock<S>(op == Op::kBackwardGather) : S::BLOCK;
+constexpr int NhwcSlideBlock(Op op, int bytes) {
+  return op == Op::kBackwardGather || S::KW > 3 || (S::SW > 1 && bytes == 2)
+             ? 2
+             : S::BLOCK;
+}
+
+// The BLOCK of the kernel that op launches for layout and elements of
+// `bytes` bytes.
+template <typename S>
+constexpr int BlockOf(Op op, int64_t layout, int bytes) {
+  return layout == kNHWC && NhwcSlides<S>(op) ? NhwcSlideBlock<S>(op, bytes)
+                                               : S::BLOCK;
+}
+
+// Bytes per element of a dtype name: f16, bf16, f32 or f64.
+inline int DtypeBytes(const std::string& dtype) {
+  return dtype == "f64" ? 8 : dtype == "f32" ? 4 : 2;
 }
 
 // name + dtype + constants joined by "__", e.g.
@@ -80,7 +99,8 @@ std::string KernelId(Op op, int64_t layout, const std::string& dtype) {
   if constexpr (S::kGeneric) {
     return id + "__generic";
   } else {
-    for (int v : {S::KH, S::KW, S::SH, S::SW, BlockOf<S>(op, layout)}) {
+    for (int v : {S::KH, S::KW, S::SH, S::SW,
+                  BlockOf<S>(op, layout, DtypeBytes(dtype))}) {
       id += "__" + std::to_string(v);
     }
     return id;

@@ -208,3 +208,42 @@ def test_compiled_extension_is_loaded() -> None:
     """The package found its compiled extension (also when run from a clone)."""
     extension = Path(_ffi._ext.__file__)
     assert extension.name.startswith("_jax_avgpool") and extension.is_file(), extension
+
+
+@pytest.mark.parametrize(
+    ("shape", "k", "s", "layout", "dtype", "blocks"),
+    [
+        # (forward, gather, scatter) BLOCK of the kernels each call launches.
+        ((2, 4, 28, 28), 7, 1, "NCHW", jnp.float32, (4, 4, 4)),
+        ((2, 28, 28, 8), 7, 1, "NHWC", jnp.float32, (2, 2, 4)),
+        ((2, 28, 28, 8), 7, 1, "NHWC", jnp.bfloat16, (2, 2, 4)),
+        ((2, 12, 12, 8), 3, 1, "NHWC", jnp.float32, (4, 2, 4)),
+        ((2, 12, 12, 8), 3, 2, "NHWC", jnp.float32, (4, 4, 4)),
+        ((2, 12, 12, 8), 3, 2, "NHWC", jnp.float16, (2, 4, 4)),
+        ((2, 12, 12, 8), 2, 2, "NHWC", jnp.bfloat16, (4, 4, 4)),
+    ],
+)
+def test_plan_ids_name_the_block_of_the_launched_kernel(
+    shape: tuple, k: int, s: int, layout: str, dtype: np.dtype, blocks: tuple
+) -> None:
+    """Kernel ids end in the BLOCK that the launched kernel takes: the NHWC
+    sliding-window kernels take 2 columns where 4 would not fit or be slower."""
+    x = jax.ShapeDtypeStruct(shape, dtype)
+    gather = jax_avgpool.plan(x, k, s, layout=layout)
+    scatter = jax_avgpool.plan(x, k, s, layout=layout, backward="scatter")
+    ids = (gather["forward"], gather["backward"], scatter["backward"])
+    for kernel_id, block in zip(ids, blocks):
+        assert kernel_id.endswith(f"__{k}__{k}__{s}__{s}__{block}"), kernel_id
+
+
+@pytest.mark.skipif(
+    not hasattr(_ffi._ext, "cuda_scatter_needs_workspace"), reason="built without CUDA"
+)
+def test_scatter_workspace_query_rejects_an_unknown_dtype_name() -> None:
+    """The CUDA build's workspace query names the parameter it cannot read."""
+    x = jnp.zeros(X_SHAPE, jnp.float32)
+    geometry = jax.make_jaxpr(lambda v: avg_pool2d(v, 2))(x).eqns[0].params["geometry"]
+    attrs = {key: int(v) for key, v in geometry.attributes().items()}
+    with pytest.raises(ValueError, match="dtype"):
+        _ffi._ext.cuda_scatter_needs_workspace(attrs, list(X_SHAPE), "i32")
+    assert _ffi._ext.cuda_scatter_needs_workspace(attrs, list(X_SHAPE), "f32") is False
