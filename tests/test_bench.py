@@ -66,7 +66,7 @@ def test_bench_case_rows() -> None:
     result = bench.bench_case(case, FAST)
     impls = [r.impl for r in result.rows]
     expected = ["copy", "scale x*0.5", "xla fwd", "ours fwd", "xla bwd"]
-    expected += ["ours bwd gather", "ours bwd scatter"]
+    expected += ["ours bwd gather", "ours bwd scatter", "copy, again"]
     assert impls[: len(expected)] == expected
     assert set(impls[len(expected) :]) <= {"torch fwd", "torch bwd"}
     assert result.copy_bandwidth > 0 and math.isfinite(result.copy_bandwidth)
@@ -89,6 +89,7 @@ def test_bench_case_rows() -> None:
         assert rows[f"ours bwd {strategy}"].hlo_ops == ["custom-call:jax_avgpool_backward"]
         assert rows[f"ours bwd {strategy}"].speedup_vs_xla > 0
     assert rows["copy"].hlo_ops  # the copy really runs
+    assert rows["copy, again"].hlo_ops == rows["copy"].hlo_ops
     assert rows["ours fwd"].speedup_vs_xla > 0 and rows["xla fwd"].speedup_vs_xla is None
     assert not [n for n in result.notes if "WARNING" in n]
     assert result.scatter_floor_s is not None and result.scatter_floor_s > 0

@@ -232,7 +232,7 @@ def test_plan_ids_name_the_block_of_the_launched_kernel(
     gather = jax_avgpool.plan(x, k, s, layout=layout)
     scatter = jax_avgpool.plan(x, k, s, layout=layout, backward="scatter")
     ids = (gather["forward"], gather["backward"], scatter["backward"])
-    for kernel_id, block in zip(ids, blocks):
+    for kernel_id, block in zip(ids, blocks, strict=True):
         assert kernel_id.endswith(f"__{k}__{k}__{s}__{s}__{block}"), kernel_id
 
 
