@@ -1305,9 +1305,9 @@ __global__ void __launch_bounds__(kThreads, kNhwcSlideBlocks<T, S>)
   using Acc = typename N::Acc;
   using VecT = Vec<T, V>;
   constexpr int KH = S::KH, KW = S::KW, SS = S::SH;
-  constexpr int NCOL = (B - 1) * SS + KW;     // source columns per item
-  constexpr int NS = (KH + SS - 1) / SS;      // ring slots
-  constexpr int P = NS * SS;                  // rows per unrolled period
+  constexpr int NCOL = (B - 1) * SS + KW;  // source columns per item
+  constexpr int NS = (KH + SS - 1) / SS;   // ring slots
+  constexpr int P = NS * SS;               // rows per unrolled period
   static_assert(S::SW == SS && (SS == 1 || !kGather));
   const int64_t H = s.in_h, W = s.in_w, OH = s.out_h, OW = s.out_w;
   const int64_t src_h = kGather ? OH : H, src_w = kGather ? OW : W;
@@ -1332,11 +1332,11 @@ __global__ void __launch_bounds__(kThreads, kNhwcSlideBlocks<T, S>)
 #pragma unroll
     for (int u = 0; u < NF; ++u) {
       const int64_t ow = kGather ? c0 + u : it.w0 + u;
-      wf[u] = ow >= 0 && ow < OW
-                  ? Reciprocal(WindowFactor<Acc>(
-                        a, WindowAt(ow, W, KW, SS, a.pad_left, a.pad_right),
-                        false))
-                  : Acc(0);
+      wf[u] =
+          ow >= 0 && ow < OW
+              ? Reciprocal(WindowFactor<Acc>(
+                    a, WindowAt(ow, W, KW, SS, a.pad_left, a.pad_right), false))
+              : Acc(0);
     }
     Acc acc[NS][B][V];
     const int nr = (nout - 1) * SS + KH;  // source rows under the segment
@@ -1420,10 +1420,9 @@ __global__ void __launch_bounds__(kThreads, kNhwcSlideBlocks<T, S>)
             of = Reciprocal(WindowFactor<Acc>(
                 a, WindowAt(oh, H, KH, SS, a.pad_top, a.pad_bottom), true));
           }
-          StoreChannelRun<T>(out + (oh * dst_w + it.w0) * C, C,
-                             dst_w - it.w0, acc[slot], [&](int b) {
-                               return kGather ? Acc(1) : of * wf[b];
-                             });
+          StoreChannelRun<T>(
+              out + (oh * dst_w + it.w0) * C, C, dst_w - it.w0, acc[slot],
+              [&](int b) { return kGather ? Acc(1) : of * wf[b]; });
         }
       }
     }
@@ -1452,10 +1451,10 @@ cudaError_t LaunchSlideNhwc(cudaStream_t stream, const PoolAttrs& a,
   const int rows = SlideRows(dst_h);
   const auto launch = [&](auto v) {
     constexpr int V = decltype(v)::value;
-    const int64_t items = s.batch * Groups(dst_h, rows) * Groups(dst_w, B) *
-                          (s.channels / V);
-    return Launch(SlideNhwc<T, S, V, B, kGather>, stream, items, a, s, src,
-                  dst, rows);
+    const int64_t items =
+        s.batch * Groups(dst_h, rows) * Groups(dst_w, B) * (s.channels / V);
+    return Launch(SlideNhwc<T, S, V, B, kGather>, stream, items, a, s, src, dst,
+                  rows);
   };
   if (CanVectorise<T, VW>(s, src, dst)) {
     return launch(std::integral_constant<int, VW>{});

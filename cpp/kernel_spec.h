@@ -15,8 +15,9 @@ namespace jax_avgpool {
 // Compile-time constants of one kernel: window KH x KW, strides SH, SW, and
 // BLOCK adjacent outputs along W per thread (for the gather backward: the
 // inputs under BLOCK adjacent outputs in the NCHW row kernels, BLOCK
-// adjacent inputs elsewhere; BlockOf below for the NHWC sliding kernel). KH == 0 marks the generic kernel, whose window
-// and strides are runtime values.
+// adjacent inputs elsewhere; BlockOf below for the NHWC sliding kernel).
+// KH == 0 marks the generic kernel, whose window and strides are runtime
+// values.
 template <int KH_, int KW_, int SH_, int SW_, int BLOCK_>
 struct Spec {
   static constexpr int KH = KH_;
@@ -83,7 +84,7 @@ constexpr int NhwcSlideBlock(Op op, int bytes) {
 template <typename S>
 constexpr int BlockOf(Op op, int64_t layout, int bytes) {
   return layout == kNHWC && NhwcSlides<S>(op) ? NhwcSlideBlock<S>(op, bytes)
-                                               : S::BLOCK;
+                                              : S::BLOCK;
 }
 
 // Bytes per element of a dtype name: f16, bf16, f32 or f64.
