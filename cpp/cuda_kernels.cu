@@ -11,8 +11,9 @@
 //   (gather) along W times one vector of V channels, so a warp's accesses
 //   are contiguous channel vectors. For the specialisations, of a segment
 //   of rows that the item walks down, loading each source row once, for
-//   stride 1 and the 3x3/2 forward (see "NHWC: a sliding window down H");
-//   of a block of rows for the others.
+//   stride 1 and the 3x3/2 forward (see "NHWC: a sliding window down H";
+//   windows wider than 3 at stride 1 sum along W through shared memory,
+//   see "the box filter"); of a block of rows for the others.
 // - Direct NCHW kernels for every other call: grid-stride loops over BLOCK
 //   adjacent outputs or inputs along W, and a shared-memory tiled gather for
 //   heavily overlapping generic windows.
@@ -1284,10 +1285,12 @@ cudaError_t LaunchTiled(void (*kernel)(KArgs...), cudaStream_t stream,
 // against 131 (float32) and 75 against 80 (bfloat16).
 //
 // B is NhwcSlideBlock (kernel_spec.h): the Spec's four for the forward of
-// 3-column windows in float32; two for wider windows, whose KH rows of
-// four columns overflow the registers, for the 16-bit 3x3/2 (75 against
-// 89 us with four) and for the gather, which measured faster with two
-// (float32 3x3/1: 227 against 233 us; bfloat16 146 against 158).
+// 3-column windows in float32; two for the 16-bit 3x3/2 (75 against 89 us
+// with four) and for the gather, which measured faster with two (float32
+// 3x3/1: 227 against 233 us; bfloat16 146 against 158). Windows wider
+// than 3 take BoxNhwc below when their channels fill vectors, and one
+// column per item here when they do not (so that the kernel id's BLOCK
+// holds for both; their KH rows of four columns overflow the registers).
 //
 // Blocks per multiprocessor it is compiled for: two for the float32 7x7/1
 // and 3x3/2, which then take 128 registers (the 7x7/1 spills a few bytes)
@@ -1439,27 +1442,300 @@ inline int SlideRows(int64_t dst_h) {
   return static_cast<int>(std::max<int64_t>((dst_h + segs - 1) / segs, 1));
 }
 
+// ---------------------------------------------------------------------------
+// NHWC, stride 1, windows wider than 3: the box filter of SlideNhwc with
+// its sums along W taken through shared memory. A block takes a segment of
+// up to `rows` destination rows, a strip of `strip_w` destination columns
+// and a slab of 2^nv_log2 channel vectors of one image. Walking down the
+// source rows under the segment, the thread of (j, v) copies element v of
+// source column cb + j of each row into its own slot of a stage in shared
+// memory, kBoxAhead - 1 rows ahead (cp.async: in flight without holding
+// registers), and adds it to the KH - 1 destination rows of column sums
+// still open in registers, which completes one. The completed column sums
+// go to shared memory and, after one barrier, the thread of each
+// destination column j sums the KW column sums of its window. So each
+// source element is loaded from global memory once per strip (the whole
+// width, where it fits), where SlideNhwc loads it (B - 1 + KW) / B times
+// from L1 or L2, and a thread holds one column of one vector. Two buffers
+// of column sums alternate, so that one barrier per row suffices: a thread
+// writes a buffer again only after every thread has passed the barrier
+// behind which they last read it.
+//
+// On the H200 (64x28x28x512 7x7/1, us, forward / gather, against
+// SlideNhwc): float32 48.8 / 59.2 against 77.8 / 90.7; bfloat16 45.0 /
+// 59.9 against 65.8 / 78.6. For 3x3/1 it measured no faster (float32
+// 32x224x224x64: 233 against 216 us), so SlideNhwc keeps those. Tried:
+// the rows ahead in registers instead of the stage (85 us float32
+// forward); 6, 8 or 10 rows ahead (1-10 us slower than 4); 16-byte
+// vectors for 16-bit types (whose eight accumulators per column spill:
+// 50-56 against 45 us); caps of 56 and of 128 registers instead of 64
+// (55-63 and 60-71 us).
+constexpr int kBoxAhead = 4;
+constexpr int kBoxMaxThreads = 512;
+
+// Copies kBytes (4, 8 or 16) from global `from` to shared `to` without
+// passing through registers (zeros when !ok), as one commit group; and
+// waits until at most `kPending` of this thread's groups are in flight.
+template <int kBytes>
+__device__ __forceinline__ void CopyAsync(void* to, const void* from, bool ok) {
+#if __CUDA_ARCH__ >= 800
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(to));
+  if constexpr (kBytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
+                 "l"(from), "r"(ok ? 16 : 0));
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst),
+                 "l"(from), "n"(kBytes), "r"(ok ? kBytes : 0));
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
+#else
+  using Raw = typename RawBits<kBytes>::type;
+  Raw raw{};
+  if (ok) raw = *static_cast<const Raw*>(from);
+  *static_cast<Raw*>(to) = raw;
+#endif
+}
+template <int kPending>
+__device__ __forceinline__ void CopyWait() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+
+template <typename T, typename S, int V, bool kGather>
+__global__ void __launch_bounds__(kBoxMaxThreads, 2)
+    BoxNhwc(const PoolAttrs a, const PoolShape s, const T* __restrict__ src,
+            T* __restrict__ dst, const int rows, const int strip_w,
+            const int nv_log2, const int64_t items) {
+  using N = Num<T>;
+  using Acc = typename N::Acc;
+  using VecT = Vec<T, V>;
+  using AccV = Vec<Acc, V>;
+  constexpr int KH = S::KH, KW = S::KW, D = kBoxAhead;
+  static_assert(S::SH == 1 && S::SW == 1 && KH > 1);
+  extern __shared__ unsigned char box_shared[];
+  const int64_t H = s.in_h, W = s.in_w, OH = s.out_h, OW = s.out_w;
+  const int64_t src_h = kGather ? OH : H, src_w = kGather ? OW : W;
+  const int64_t dst_h = kGather ? H : OH, dst_w = kGather ? W : OW;
+  const int64_t C = s.channels;
+  const int64_t slabs = (C / V) >> nv_log2;
+  const int64_t strips = (dst_w + strip_w - 1) / strip_w;
+  const int64_t segs = (dst_h + rows - 1) / rows;
+  const int64_t lead_h = kGather ? KH - 1 - a.pad_top : a.pad_top;
+  const int64_t lead_w = kGather ? KW - 1 - a.pad_left : a.pad_left;
+  const int nv = 1 << nv_log2, ncol = strip_w + KW - 1;
+  const int v = static_cast<int>(threadIdx.x) & (nv - 1);
+  const int j = static_cast<int>(threadIdx.x) >> nv_log2;
+  // Two buffers of column sums, then the stage of D rows of copies.
+  AccV* const sums = reinterpret_cast<AccV*>(box_shared);
+  VecT* const stage = reinterpret_cast<VecT*>(sums + 2 * ncol * nv);
+  Acc* const row_factor = reinterpret_cast<Acc*>(stage + D * blockDim.x);
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    int64_t rest = item;
+    const int64_t slab = rest % slabs;
+    rest /= slabs;
+    const int64_t strip = rest % strips;
+    rest /= strips;
+    const int64_t o0 = rest % segs * rows, n = rest / segs;
+    const int64_t w0 = strip * strip_w;
+    const int nout = static_cast<int>(dst_h - o0 < rows ? dst_h - o0 : rows);
+    const int nwo =
+        static_cast<int>(dst_w - w0 < strip_w ? dst_w - w0 : strip_w);
+    // The strip's windows reach source columns c0 .. c0 + nwo + KW - 2;
+    // of those, the thread of j loads column cb + j, those in the source.
+    const int64_t c0 = w0 - lead_w;
+    const int64_t cb = c0 > 0 ? c0 : 0;
+    const int64_t ce = c0 + nwo + KW - 1 < src_w ? c0 + nwo + KW - 1 : src_w;
+    const int nsrc = static_cast<int>(ce - cb);
+    const int64_t c = cb + j;  // this thread's source column
+    const bool col_ok = j < nsrc;
+    const int slot = static_cast<int>(c - c0) * nv + v;  // its column sums
+    const int64_t cv = (slab << nv_log2) + v;
+    const int64_t row_step = src_w * C;
+    const int64_t top = o0 - lead_h;
+    const T* const col = src + n * src_h * row_step + c * C + cv * V;
+    // 1 / column factor: of the dy column for the gather, of the
+    // destination column for the forward.
+    const bool cf_ok = kGather ? col_ok : j < nwo;
+    const Acc cf =
+        cf_ok
+            ? Reciprocal(WindowFactor<Acc>(a,
+                                           WindowAt(kGather ? c : w0 + j, W, KW,
+                                                    1, a.pad_left, a.pad_right),
+                                           false))
+            : Acc(0);
+    const int nr = nout + KH - 1;  // source rows under the segment
+    // The column sums of columns outside the source stay zero. The row
+    // factors are taken once per block: 1 / the factor of dy row top + r
+    // (0 outside dy) for the gather, of destination row o0 + r for the
+    // forward.
+    for (int i = threadIdx.x; i < 2 * ncol * nv; i += blockDim.x) {
+      sums[i] = AccV{};
+    }
+    for (int i = threadIdx.x; i < nr; i += blockDim.x) {
+      const int64_t h = kGather ? top + i : o0 + i;
+      row_factor[i] =
+          h >= 0 && h < (kGather ? src_h : dst_h)
+              ? Reciprocal(WindowFactor<Acc>(
+                    a, WindowAt(h, H, KH, 1, a.pad_top, a.pad_bottom), true))
+              : Acc(0);
+    }
+    __syncthreads();
+    // Row r is copied into stage slot r mod D, D - 1 rows ahead; each
+    // thread reads back only its own copies, so waiting for its own copy
+    // groups is all the synchronisation the stage needs.
+    // Rows above the source add nothing: the walk starts at the first row
+    // in it (top >= 1 - KH, so no destination row is skipped).
+    const int r0 = top < 0 ? static_cast<int>(-top) : 0;
+    const T* p = col + (top + r0) * row_step;  // the next row to copy
+    T* q = dst + ((n * dst_h + o0) * dst_w + w0 + j) * C + cv * V;
+    const int64_t q_step = dst_w * C;
+    const auto copy = [&](int r) {
+      const int64_t h = top + r;
+      const bool ok = col_ok && r < nr && h >= 0 && h < src_h;
+      CopyAsync<sizeof(VecT)>(stage + (r % D) * blockDim.x + threadIdx.x,
+                              ok ? p : src, ok);
+      p += row_step;
+    };
+#pragma unroll
+    for (int d = 0; d + 1 < D; ++d) copy(r0 + d);
+    // open[t]: the column sums of destination row r - KH + 1 + t so far
+    // (rows r - KH + 1 + t .. r - 1), t < KH - 1, before row r is added.
+    Acc open[KH - 1][V];
+    FillZero(open);
+    for (int r = r0; r < nr; ++r) {
+      copy(r + D - 1);
+      CopyWait<D - 1>();
+      const VecT x = stage[(r % D) * blockDim.x + threadIdx.x];
+      const Acc hf = kGather ? row_factor[r] : Acc(1);
+      // Row r completes destination row r - KH + 1 and starts row r.
+      AccV done;
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        const Acc xv = kGather ? N::Load(x.v[e]) * hf : N::Load(x.v[e]);
+        done.v[e] = open[0][e] + xv;
+#pragma unroll
+        for (int t = 0; t + 2 < KH; ++t) open[t][e] = open[t + 1][e] + xv;
+        open[KH - 2][e] = xv;
+      }
+      const int o = r - (KH - 1);
+      if (o < 0) continue;  // uniform across the block
+      AccV* const buf = sums + (o & 1) * ncol * nv;
+      if constexpr (kGather) {
+#pragma unroll
+        for (int e = 0; e < V; ++e) done.v[e] *= cf;
+      }
+      if (col_ok) buf[slot] = done;
+      __syncthreads();
+      if (j < nwo) {
+        AccV acc = buf[j * nv + v];
+#pragma unroll
+        for (int t = 1; t < KW; ++t) {
+          const AccV u = buf[(j + t) * nv + v];
+#pragma unroll
+          for (int e = 0; e < V; ++e) acc.v[e] += u.v[e];
+        }
+        Acc f = Acc(1);
+        if constexpr (!kGather) {
+          f = cf * row_factor[o];
+        }
+        VecT y;
+#pragma unroll
+        for (int e = 0; e < V; ++e) y.v[e] = N::Store(acc.v[e] * f);
+        *reinterpret_cast<VecT*>(q) = y;
+      }
+      q += q_step;
+    }
+    CopyWait<0>();    // no copy may land in the next item's stage
+    __syncthreads();  // the next item writes the buffers again
+  }
+}
+
+// Launches BoxNhwc with V channels per thread: slabs of 128 bytes (or the
+// largest power of two of vectors dividing C / V below that), segments as
+// in SlideRows.
+template <typename T, bool kGather, typename S, int V>
+cudaError_t LaunchBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
+                          const PoolShape& s, const T* src, T* dst) {
+  using Acc = typename Num<T>::Acc;
+  const int64_t dst_h = kGather ? s.in_h : s.out_h;
+  const int64_t dst_w = kGather ? s.in_w : s.out_w;
+  const int64_t cvs = s.channels / V;
+  int nv_log2 = 0;
+  while ((V * static_cast<int>(sizeof(T)) << (nv_log2 + 1)) <= 128 &&
+         cvs % (int64_t{1} << (nv_log2 + 1)) == 0) {
+    ++nv_log2;
+  }
+  const int64_t src_w = kGather ? s.out_w : s.in_w;
+  // Threads: the larger of a strip's columns and the source columns under
+  // them, times nv; at most kBoxMaxThreads, and 47 KiB of shared memory
+  // (the row factors take the rest of the default 48 KiB). Fewer
+  // vectors per block (down to 32 bytes) where that keeps the whole width
+  // in one strip.
+  const size_t per_thread = V * (2 * sizeof(Acc) + kBoxAhead * sizeof(T));
+  const int max_threads = static_cast<int>(
+      std::min<size_t>(kBoxMaxThreads, 47 * 1024 / per_thread));
+  while (nv_log2 > 0 && (V * static_cast<int>(sizeof(T)) << nv_log2) > 32 &&
+         (max_threads >> nv_log2) - (S::KW - 1) < dst_w) {
+    --nv_log2;
+  }
+  const int nv = 1 << nv_log2;
+  const int max_w = max_threads / nv - (S::KW - 1);
+  if (max_w < 1) return cudaErrorInvalidConfiguration;
+  const int64_t strips = (dst_w + max_w - 1) / max_w;
+  const int strip_w = static_cast<int>((dst_w + strips - 1) / strips);
+  const int ncol = strip_w + S::KW - 1;
+  const int rows = SlideRows(dst_h);
+  const int64_t items =
+      s.batch * Groups(dst_h, rows) * strips * (cvs >> nv_log2);
+  if (items == 0) return cudaSuccess;
+  const int threads = static_cast<int>(std::max<int64_t>(
+                          strip_w, std::min<int64_t>(ncol, src_w))) *
+                      nv;
+  const size_t smem = static_cast<size_t>(ncol) * nv * V * 2 * sizeof(Acc) +
+                      static_cast<size_t>(threads) * V * kBoxAhead * sizeof(T) +
+                      static_cast<size_t>(rows + S::KH - 1) * sizeof(Acc);
+  const unsigned grid =
+      static_cast<unsigned>(std::min<int64_t>(items, INT32_MAX));
+  BoxNhwc<T, S, V, kGather><<<grid, threads, smem, stream>>>(
+      a, s, src, dst, rows, strip_w, nv_log2, items);
+  return cudaGetLastError();
+}
+
 template <typename T, bool kGather, typename S>
 cudaError_t LaunchSlideNhwc(cudaStream_t stream, const PoolAttrs& a,
                             const PoolShape& s, const T* src, T* dst) {
   constexpr Op kOp = kGather ? Op::kBackwardGather : Op::kForward;
   static_assert(NhwcSlides<S>(kOp));
   constexpr int B = NhwcSlideBlock<S>(kOp, static_cast<int>(sizeof(T)));
-  constexpr int VW = kGather ? kWide<T> : kNhwcForwardWide<T, S>;
   const int64_t dst_h = kGather ? s.in_h : s.out_h;
   const int64_t dst_w = kGather ? s.in_w : s.out_w;
   const int rows = SlideRows(dst_h);
-  const auto launch = [&](auto v) {
-    constexpr int V = decltype(v)::value;
+  if constexpr (S::SH == 1 && S::KH > 3) {
+    // Eight bytes for 16-bit types; cp.async moves 4, 8 or 16 bytes, so
+    // one-element accesses take SlideNhwc with one column per item.
+    constexpr int VB = sizeof(T) == 2 ? 4 : kWide<T>;
+    if (CanVectorise<T, VB>(s, src, dst)) {
+      return LaunchBoxNhwc<T, kGather, S, VB>(stream, a, s, src, dst);
+    }
     const int64_t items =
-        s.batch * Groups(dst_h, rows) * Groups(dst_w, B) * (s.channels / V);
-    return Launch(SlideNhwc<T, S, V, B, kGather>, stream, items, a, s, src, dst,
+        s.batch * Groups(dst_h, rows) * Groups(dst_w, B) * s.channels;
+    return Launch(SlideNhwc<T, S, 1, B, kGather>, stream, items, a, s, src, dst,
                   rows);
-  };
-  if (CanVectorise<T, VW>(s, src, dst)) {
-    return launch(std::integral_constant<int, VW>{});
+  } else {
+    constexpr int VW = kGather ? kWide<T> : kNhwcForwardWide<T, S>;
+    const auto launch = [&](auto v) {
+      constexpr int V = decltype(v)::value;
+      const int64_t items =
+          s.batch * Groups(dst_h, rows) * Groups(dst_w, B) * (s.channels / V);
+      return Launch(SlideNhwc<T, S, V, B, kGather>, stream, items, a, s, src,
+                    dst, rows);
+    };
+    if (CanVectorise<T, VW>(s, src, dst)) {
+      return launch(std::integral_constant<int, VW>{});
+    }
+    return launch(std::integral_constant<int, 1>{});
   }
-  return launch(std::integral_constant<int, 1>{});
 }
 
 template <typename S>

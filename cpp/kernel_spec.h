@@ -68,12 +68,15 @@ constexpr bool NhwcSlides(Op op) {
          S::KH > S::SH;
 }
 
-// Adjacent columns per work item of the sliding kernel, for elements of
-// `bytes` bytes: two for the gather, for windows wider than 3 columns and
-// for 16-bit strided windows, whose accumulators would otherwise overflow
-// the registers or measured slower; the Spec's BLOCK for the others.
+// Adjacent columns per work item of the sliding kernels, for elements of
+// `bytes` bytes: one for windows wider than 3 columns at stride 1, which
+// sum along W through shared memory with a thread per column; two for the
+// other gathers and for 16-bit strided windows, whose accumulators would
+// otherwise overflow the registers or measured slower; the Spec's BLOCK
+// for the others.
 template <typename S>
 constexpr int NhwcSlideBlock(Op op, int bytes) {
+  if (S::KW > 3 && S::SW == 1) return 1;
   return op == Op::kBackwardGather || S::KW > 3 || (S::SW > 1 && bytes == 2)
              ? 2
              : S::BLOCK;

@@ -188,7 +188,8 @@ def _specialised_cases() -> list:
     heights and widths that leave ragged blocks of rows and columns, with
     channels that fill 16-byte vectors and channels that do not, and images
     more than 32 rows high, which the stride-1 kernels cover in several
-    segments of rows."""
+    segments of rows, and rows wide enough that the 7x7/1 box filter covers
+    them in several strips of columns."""
     shapes = {
         "NCHW": (
             ((2, 3, 13, 8 * 37), {}),
@@ -201,6 +202,7 @@ def _specialised_cases() -> list:
             ((1, 5, 10, 9), {"divisor_override": 5}),
             ((2, 64, 23, 30), {}),
             ((1, 32, 40, 17), {"ceil_mode": True, "count_include_pad": False}),
+            ((1, 8, 9, 300), {}),
         ),
     }
     params = []
