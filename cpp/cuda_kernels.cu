@@ -1512,7 +1512,7 @@ __global__ void __launch_bounds__(kBoxMaxThreads, 2)
   using VecT = Vec<T, V>;
   using AccV = Vec<Acc, V>;
   constexpr int KH = S::KH, KW = S::KW, D = kBoxAhead;
-  static_assert(S::SH == 1 && S::SW == 1 && KH > 1);
+  static_assert(NhwcBox<S>() && KH > 1);
   extern __shared__ unsigned char box_shared[];
   const int64_t H = s.in_h, W = s.in_w, OH = s.out_h, OW = s.out_w;
   const int64_t src_h = kGather ? OH : H, src_w = kGather ? OW : W;
@@ -1711,7 +1711,7 @@ cudaError_t LaunchSlideNhwc(cudaStream_t stream, const PoolAttrs& a,
   const int64_t dst_h = kGather ? s.in_h : s.out_h;
   const int64_t dst_w = kGather ? s.in_w : s.out_w;
   const int rows = SlideRows(dst_h);
-  if constexpr (S::SH == 1 && S::KH > 3) {
+  if constexpr (NhwcBox<S>()) {
     // Eight bytes for 16-bit types; cp.async moves 4, 8 or 16 bytes, so
     // one-element accesses take SlideNhwc with one column per item.
     constexpr int VB = sizeof(T) == 2 ? 4 : kWide<T>;

@@ -68,6 +68,13 @@ constexpr bool NhwcSlides(Op op) {
          S::KH > S::SH;
 }
 
+// Whether the NHWC stride-1 kernels of S sum along W through shared memory
+// (the box filter, a thread per column): for windows wider than 3.
+template <typename S>
+constexpr bool NhwcBox() {
+  return !S::kGeneric && S::SH == 1 && S::SW == 1 && S::KW > 3;
+}
+
 // Adjacent columns per work item of the sliding kernels, for elements of
 // `bytes` bytes: one for windows wider than 3 columns at stride 1, which
 // sum along W through shared memory with a thread per column; two for the
@@ -76,7 +83,7 @@ constexpr bool NhwcSlides(Op op) {
 // for the others.
 template <typename S>
 constexpr int NhwcSlideBlock(Op op, int bytes) {
-  if (S::KW > 3 && S::SW == 1) return 1;
+  if (NhwcBox<S>()) return 1;
   return op == Op::kBackwardGather || S::KW > 3 || (S::SW > 1 && bytes == 2)
              ? 2
              : S::BLOCK;
