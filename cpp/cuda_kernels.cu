@@ -1711,6 +1711,13 @@ cudaError_t LaunchSlideNhwc(cudaStream_t stream, const PoolAttrs& a,
   const int64_t dst_h = kGather ? s.in_h : s.out_h;
   const int64_t dst_w = kGather ? s.in_w : s.out_w;
   const int rows = SlideRows(dst_h);
+  const auto launch = [&](auto v) {
+    constexpr int V = decltype(v)::value;
+    const int64_t items =
+        s.batch * Groups(dst_h, rows) * Groups(dst_w, B) * (s.channels / V);
+    return Launch(SlideNhwc<T, S, V, B, kGather>, stream, items, a, s, src, dst,
+                  rows);
+  };
   if constexpr (NhwcBox<S>()) {
     // Eight bytes for 16-bit types; cp.async moves 4, 8 or 16 bytes, so
     // one-element accesses take SlideNhwc with one column per item.
@@ -1718,24 +1725,13 @@ cudaError_t LaunchSlideNhwc(cudaStream_t stream, const PoolAttrs& a,
     if (CanVectorise<T, VB>(s, src, dst)) {
       return LaunchBoxNhwc<T, kGather, S, VB>(stream, a, s, src, dst);
     }
-    const int64_t items =
-        s.batch * Groups(dst_h, rows) * Groups(dst_w, B) * s.channels;
-    return Launch(SlideNhwc<T, S, 1, B, kGather>, stream, items, a, s, src, dst,
-                  rows);
   } else {
     constexpr int VW = kGather ? kWide<T> : kNhwcForwardWide<T, S>;
-    const auto launch = [&](auto v) {
-      constexpr int V = decltype(v)::value;
-      const int64_t items =
-          s.batch * Groups(dst_h, rows) * Groups(dst_w, B) * (s.channels / V);
-      return Launch(SlideNhwc<T, S, V, B, kGather>, stream, items, a, s, src,
-                    dst, rows);
-    };
     if (CanVectorise<T, VW>(s, src, dst)) {
       return launch(std::integral_constant<int, VW>{});
     }
-    return launch(std::integral_constant<int, 1>{});
   }
+  return launch(std::integral_constant<int, 1>{});
 }
 
 template <typename S>
