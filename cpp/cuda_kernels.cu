@@ -1452,25 +1452,30 @@ inline int SlideRows(int64_t dst_h) {
 // memory, kBoxAhead - 1 rows ahead (cp.async: in flight without holding
 // registers), and adds it to the KH - 1 destination rows of column sums
 // still open in registers, which completes one. The completed column sums
-// go to shared memory and, after one barrier, the thread of each
-// destination column j sums the KW column sums of its window. So each
-// source element is loaded from global memory once per strip (the whole
-// width, where it fits), where SlideNhwc loads it (B - 1 + KW) / B times
-// from L1 or L2, and a thread holds one column of one vector. Two buffers
-// of column sums alternate, so that one barrier per row suffices: a thread
-// writes a buffer again only after every thread has passed the barrier
-// behind which they last read it.
+// go to shared memory; after one barrier per two rows, the thread of
+// (j, v) adds the KW column sums of the windows of destination columns
+// 2j and 2j + 1, which share KW - 1 of them. So each source element is
+// loaded from global memory once per strip (the whole width, where it
+// fits), where SlideNhwc loads it (B - 1 + KW) / B times from L1 or L2,
+// and a thread holds one column of one vector. Four buffers of column
+// sums (a destination row o goes to buffer o mod 4) let a thread write a
+// buffer again only after every thread has passed the barrier behind
+// which they last read it.
 //
-// On the H200 (64x28x28x512 7x7/1, us, forward / gather, against
-// SlideNhwc): float32 48.8 / 59.2 against 77.8 / 90.7; bfloat16 45.0 /
-// 59.9 against 65.8 / 78.6. For 3x3/1 it measured no faster (float32
-// 32x224x224x64: 233 against 216 us), so SlideNhwc keeps those. Tried:
-// the rows ahead in registers instead of the stage (85 us float32
-// forward); 6, 8 or 10 rows ahead (1-10 us slower than 4); 16-byte
-// vectors for 16-bit types (whose eight accumulators per column spill:
-// 50-56 against 45 us); caps of 56 and of 128 registers instead of 64
-// (55-63 and 60-71 us).
+// The kernel is bound by instruction issue and barrier waits more than by
+// DRAM. On the H200 (64x28x28x512 7x7/1, us, forward / gather): float32
+// 47.7 / 52.9, bfloat16 36.6 / 43.3, against SlideNhwc's 93.9 / 118.7 and
+// 89.8 / 83.4; one destination column per thread and a barrier per row
+// took 48.8 / 59.2 and 45.0 / 59.9. For 3x3/1 the box filter measured no
+// faster (float32 32x224x224x64: 233 against 216 us), so SlideNhwc keeps
+// those. Tried: the rows ahead in registers instead of the stage (85 us
+// float32 forward); 6, 8 or 10 rows ahead (1-10 us slower than 4);
+// 16-byte vectors for 16-bit types (whose eight accumulators per column
+// spill: 50-56 against 45 us); caps of 56 and of 128 registers instead of
+// 64 (55-63 and 60-71 us; with 16-byte bfloat16 vectors at 128 registers,
+// 52.4 / 69.7).
 constexpr int kBoxAhead = 4;
+constexpr int kBoxBuffers = 4;
 constexpr int kBoxMaxThreads = 512;
 
 // Copies kBytes (4, 8 or 16) from global `from` to shared `to` without
@@ -1512,8 +1517,9 @@ __global__ void __launch_bounds__(kBoxMaxThreads, 2)
   using VecT = Vec<T, V>;
   using AccV = Vec<Acc, V>;
   constexpr int KH = S::KH, KW = S::KW, D = kBoxAhead;
-  static_assert(NhwcBox<S>() && KH > 1);
-  extern __shared__ unsigned char box_shared[];
+  constexpr int NB = kBoxBuffers;
+  static_assert(NhwcBox<S>() && KH > 1 && (D & (D - 1)) == 0 && NB == 4);
+  extern __shared__ __align__(16) unsigned char box_shared[];
   const int64_t H = s.in_h, W = s.in_w, OH = s.out_h, OW = s.out_w;
   const int64_t src_h = kGather ? OH : H, src_w = kGather ? OW : W;
   const int64_t dst_h = kGather ? H : OH, dst_w = kGather ? W : OW;
@@ -1523,13 +1529,21 @@ __global__ void __launch_bounds__(kBoxMaxThreads, 2)
   const int64_t segs = (dst_h + rows - 1) / rows;
   const int64_t lead_h = kGather ? KH - 1 - a.pad_top : a.pad_top;
   const int64_t lead_w = kGather ? KW - 1 - a.pad_left : a.pad_left;
-  const int nv = 1 << nv_log2, ncol = strip_w + KW - 1;
+  const int nv = 1 << nv_log2;
   const int v = static_cast<int>(threadIdx.x) & (nv - 1);
   const int j = static_cast<int>(threadIdx.x) >> nv_log2;
-  // Two buffers of column sums, then the stage of D rows of copies.
+  const int threads = static_cast<int>(blockDim.x);
+  // NB buffers of column sums, each [nv][ncs]: a vector's columns are
+  // adjacent, so that a window's KW column sums sit at fixed offsets from
+  // its first, and the odd row length ncs keeps the 16-byte accesses of
+  // the nv vectors of one column on distinct banks. Then the stage of D
+  // rows of copies, then the row factors.
+  const int ncs = (strip_w + KW) | 1;
+  const int buf_len = nv * ncs;
   AccV* const sums = reinterpret_cast<AccV*>(box_shared);
-  VecT* const stage = reinterpret_cast<VecT*>(sums + 2 * ncol * nv);
-  Acc* const row_factor = reinterpret_cast<Acc*>(stage + D * blockDim.x);
+  VecT* const stage = reinterpret_cast<VecT*>(sums + NB * buf_len);
+  Acc* const row_factor = reinterpret_cast<Acc*>(stage + D * threads);
+  VecT* const my_stage = stage + threadIdx.x;
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
     int64_t rest = item;
     const int64_t slab = rest % slabs;
@@ -1549,30 +1563,29 @@ __global__ void __launch_bounds__(kBoxMaxThreads, 2)
     const int nsrc = static_cast<int>(ce - cb);
     const int64_t c = cb + j;  // this thread's source column
     const bool col_ok = j < nsrc;
-    const int slot = static_cast<int>(c - c0) * nv + v;  // its column sums
     const int64_t cv = (slab << nv_log2) + v;
     const int64_t row_step = src_w * C;
     const int64_t top = o0 - lead_h;
-    const T* const col = src + n * src_h * row_step + c * C + cv * V;
-    // 1 / column factor: of the dy column for the gather, of the
-    // destination column for the forward.
-    const bool cf_ok = kGather ? col_ok : j < nwo;
+    // 1 / column factor: of this thread's dy column for the gather (folded
+    // into the row factor as each row is scaled), of its two destination
+    // columns for the forward.
+    const auto col_factor = [&](bool ok, int64_t at) {
+      return ok ? Reciprocal(WindowFactor<Acc>(
+                      a, WindowAt(at, W, KW, 1, a.pad_left, a.pad_right),
+                      false))
+                : Acc(0);
+    };
     const Acc cf =
-        cf_ok
-            ? Reciprocal(WindowFactor<Acc>(a,
-                                           WindowAt(kGather ? c : w0 + j, W, KW,
-                                                    1, a.pad_left, a.pad_right),
-                                           false))
-            : Acc(0);
+        kGather ? col_factor(col_ok, c) : col_factor(2 * j < nwo, w0 + 2 * j);
+    const Acc cf1 =
+        kGather ? Acc(0) : col_factor(2 * j + 1 < nwo, w0 + 2 * j + 1);
     const int nr = nout + KH - 1;  // source rows under the segment
     // The column sums of columns outside the source stay zero. The row
     // factors are taken once per block: 1 / the factor of dy row top + r
     // (0 outside dy) for the gather, of destination row o0 + r for the
     // forward.
-    for (int i = threadIdx.x; i < 2 * ncol * nv; i += blockDim.x) {
-      sums[i] = AccV{};
-    }
-    for (int i = threadIdx.x; i < nr; i += blockDim.x) {
+    for (int i = threadIdx.x; i < NB * buf_len; i += threads) sums[i] = AccV{};
+    for (int i = threadIdx.x; i < nr; i += threads) {
       const int64_t h = kGather ? top + i : o0 + i;
       row_factor[i] =
           h >= 0 && h < (kGather ? src_h : dst_h)
@@ -1585,16 +1598,24 @@ __global__ void __launch_bounds__(kBoxMaxThreads, 2)
     // thread reads back only its own copies, so waiting for its own copy
     // groups is all the synchronisation the stage needs.
     // Rows above the source add nothing: the walk starts at the first row
-    // in it (top >= 1 - KH, so no destination row is skipped).
+    // in it (top >= 1 - KH, so no destination row is skipped); this
+    // thread copies rows r < r_end.
     const int r0 = top < 0 ? static_cast<int>(-top) : 0;
-    const T* p = col + (top + r0) * row_step;  // the next row to copy
-    T* q = dst + ((n * dst_h + o0) * dst_w + w0 + j) * C + cv * V;
+    const int r_end =
+        col_ok ? static_cast<int>(src_h - top < nr ? src_h - top : nr) : 0;
+    const T* p = src + n * src_h * row_step + c * C + cv * V +
+                 (top + r0) * row_step;  // the next row to copy
+    T* q = dst + ((n * dst_h + o0) * dst_w + w0 + 2 * j) * C + cv * V;
     const int64_t q_step = dst_w * C;
+    // This thread's column sums go to `put`; those of the windows of its
+    // destination columns 2j and 2j + 1 are read from `get` onwards; both
+    // in buffer o mod NB for destination row o.
+    AccV* const put = sums + v * ncs + static_cast<int>(c - c0);
+    const AccV* const get = sums + v * ncs + 2 * j;
     const auto copy = [&](int r) {
-      const int64_t h = top + r;
-      const bool ok = col_ok && r < nr && h >= 0 && h < src_h;
-      CopyAsync<sizeof(VecT)>(stage + (r % D) * blockDim.x + threadIdx.x,
-                              ok ? p : src, ok);
+      const bool ok = r < r_end;
+      CopyAsync<sizeof(VecT)>(my_stage + (r & (D - 1)) * threads, ok ? p : src,
+                              ok);
       p += row_step;
     };
 #pragma unroll
@@ -1603,11 +1624,12 @@ __global__ void __launch_bounds__(kBoxMaxThreads, 2)
     // (rows r - KH + 1 + t .. r - 1), t < KH - 1, before row r is added.
     Acc open[KH - 1][V];
     FillZero(open);
-    for (int r = r0; r < nr; ++r) {
+    // Adds source row r; its completed column sums go to shared memory.
+    const auto vertical = [&](int r) {
       copy(r + D - 1);
       CopyWait<D - 1>();
-      const VecT x = stage[(r % D) * blockDim.x + threadIdx.x];
-      const Acc hf = kGather ? row_factor[r] : Acc(1);
+      const VecT x = my_stage[(r & (D - 1)) * threads];
+      const Acc hf = kGather ? row_factor[r] * cf : Acc(1);
       // Row r completes destination row r - KH + 1 and starts row r.
       AccV done;
 #pragma unroll
@@ -1619,32 +1641,50 @@ __global__ void __launch_bounds__(kBoxMaxThreads, 2)
         open[KH - 2][e] = xv;
       }
       const int o = r - (KH - 1);
-      if (o < 0) continue;  // uniform across the block
-      AccV* const buf = sums + (o & 1) * ncol * nv;
-      if constexpr (kGather) {
+      if (o >= 0 && col_ok) put[(o & (NB - 1)) * buf_len] = done;
+    };
+    // Sums and stores destination row o at columns 2j and 2j + 1. The two
+    // windows share the column sums 1 .. KW - 1 from g; the padding of ncs
+    // keeps g[KW] inside the row where 2j + 1 = nwo.
+    const auto horizontal = [&](int o) {
+      if (2 * j < nwo) {
+        const AccV* const g = get + (o & (NB - 1)) * buf_len;
+        AccV mid = g[1];
 #pragma unroll
-        for (int e = 0; e < V; ++e) done.v[e] *= cf;
-      }
-      if (col_ok) buf[slot] = done;
-      __syncthreads();
-      if (j < nwo) {
-        AccV acc = buf[j * nv + v];
+        for (int t = 2; t < KW; ++t) {
+          const AccV u = g[t];
 #pragma unroll
-        for (int t = 1; t < KW; ++t) {
-          const AccV u = buf[(j + t) * nv + v];
-#pragma unroll
-          for (int e = 0; e < V; ++e) acc.v[e] += u.v[e];
+          for (int e = 0; e < V; ++e) mid.v[e] += u.v[e];
         }
-        Acc f = Acc(1);
+        const AccV first = g[0], last = g[KW];
+        Acc f0 = Acc(1), f1 = Acc(1);
         if constexpr (!kGather) {
-          f = cf * row_factor[o];
+          const Acc hf = row_factor[o];
+          f0 = cf * hf;
+          f1 = cf1 * hf;
         }
-        VecT y;
+        VecT y0, y1;
 #pragma unroll
-        for (int e = 0; e < V; ++e) y.v[e] = N::Store(acc.v[e] * f);
-        *reinterpret_cast<VecT*>(q) = y;
+        for (int e = 0; e < V; ++e) {
+          y0.v[e] = N::Store((first.v[e] + mid.v[e]) * f0);
+          y1.v[e] = N::Store((mid.v[e] + last.v[e]) * f1);
+        }
+        *reinterpret_cast<VecT*>(q) = y0;
+        if (2 * j + 1 < nwo) *reinterpret_cast<VecT*>(q + C) = y1;
       }
       q += q_step;
+    };
+    // Two source rows per barrier, completing destination rows o - 1 and
+    // o (those that exist); o is uniform across the block.
+    for (int r = r0; r < nr; r += 2) {
+      vertical(r);
+      const bool two = r + 1 < nr;
+      if (two) vertical(r + 1);
+      const int o = r + 1 - (KH - 1);
+      if (o < 0) continue;
+      __syncthreads();
+      if (o >= 1) horizontal(o - 1);
+      if (two) horizontal(o);
     }
     CopyWait<0>();    // no copy may land in the next item's stage
     __syncthreads();  // the next item writes the buffers again
@@ -1668,13 +1708,15 @@ cudaError_t LaunchBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
   }
   const int64_t src_w = kGather ? s.out_w : s.in_w;
   // Threads: the larger of a strip's columns and the source columns under
-  // them, times nv; at most kBoxMaxThreads, and 47 KiB of shared memory
-  // (the row factors take the rest of the default 48 KiB). Fewer
-  // vectors per block (down to 32 bytes) where that keeps the whole width
-  // in one strip.
-  const size_t per_thread = V * (2 * sizeof(Acc) + kBoxAhead * sizeof(T));
+  // them, times nv; at most kBoxMaxThreads, and 45 KiB of shared memory
+  // for the column sums and the stage. The rest of the default 48 KiB
+  // holds the padding of the column sums (at most 2 columns of 16 vectors
+  // in kBoxBuffers buffers: 2 KiB) and the row factors. Fewer vectors per
+  // block (down to 32 bytes) where that keeps the whole width in one strip.
+  const size_t per_thread =
+      V * (kBoxBuffers * sizeof(Acc) + kBoxAhead * sizeof(T));
   const int max_threads = static_cast<int>(
-      std::min<size_t>(kBoxMaxThreads, 47 * 1024 / per_thread));
+      std::min<size_t>(kBoxMaxThreads, 45 * 1024 / per_thread));
   while (nv_log2 > 0 && (V * static_cast<int>(sizeof(T)) << nv_log2) > 32 &&
          (max_threads >> nv_log2) - (S::KW - 1) < dst_w) {
     --nv_log2;
@@ -1692,9 +1734,10 @@ cudaError_t LaunchBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
   const int threads = static_cast<int>(std::max<int64_t>(
                           strip_w, std::min<int64_t>(ncol, src_w))) *
                       nv;
-  const size_t smem = static_cast<size_t>(ncol) * nv * V * 2 * sizeof(Acc) +
-                      static_cast<size_t>(threads) * V * kBoxAhead * sizeof(T) +
-                      static_cast<size_t>(rows + S::KH - 1) * sizeof(Acc);
+  const size_t smem =
+      static_cast<size_t>((ncol + 1) | 1) * nv * V * kBoxBuffers * sizeof(Acc) +
+      static_cast<size_t>(threads) * V * kBoxAhead * sizeof(T) +
+      static_cast<size_t>(rows + S::KH - 1) * sizeof(Acc);
   const unsigned grid =
       static_cast<unsigned>(std::min<int64_t>(items, INT32_MAX));
   BoxNhwc<T, S, V, kGather><<<grid, threads, smem, stream>>>(
