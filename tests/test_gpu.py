@@ -216,6 +216,33 @@ def _specialised_cases() -> list:
     return params
 
 
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_name)
+@pytest.mark.parametrize(
+    ("shape", "extra"),
+    [
+        ((2, 3, 14, 48), {}),
+        ((1, 5, 6, 8), {"divisor_override": 3}),
+        ((3, 2, 10, 16), {"ceil_mode": True, "count_include_pad": False}),
+        ((2, 2, 10, 36), {}),
+    ],
+    ids=str,
+)
+def test_16bit_nchw_gather_of_tiling_windows_on_gpu(
+    shape: tuple, extra: dict, dtype: np.dtype, gpu: jax.Device, rng: np.random.Generator
+) -> None:
+    """16-bit NCHW 2x2/2 gathers whose windows tile the input exactly, on rows of
+    whole 16-byte vectors (the flat upsampling kernel; W = 36 leaves the row
+    kernels), against the oracle under each divisor rule, bitwise repeatable."""
+    case = TorchCase(shape, 2, 2, 0, **extra)
+    x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
+
+    with dtype_mode(dtype):
+        _, dx, _ = _forward_and_gradients(case, *_on(gpu, x, g))
+        again = _forward_and_gradients(case, *_on(gpu, x, g))[1]
+    assert_close(dx, case.oracle_vjp(g), dtype, "gather gradient")
+    np.testing.assert_array_equal(np.asarray(dx), np.asarray(again))
+
+
 @pytest.mark.parametrize(("case", "dtype"), _specialised_cases())
 def test_specialised_kernels_on_gpu_match_oracle(
     case: TorchCase, dtype: np.dtype, gpu: jax.Device, rng: np.random.Generator
