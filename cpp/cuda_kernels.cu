@@ -1464,8 +1464,8 @@ inline int SlideRows(int64_t dst_h) {
 //
 // The kernel is bound by instruction issue and barrier waits more than by
 // DRAM. On the H200 (64x28x28x512 7x7/1, us, forward / gather): float32
-// 47.7 / 52.9, bfloat16 36.6 / 43.3, against SlideNhwc's 93.9 / 118.7 and
-// 89.8 / 83.4; one destination column per thread and a barrier per row
+// 48.0 / 53.0, bfloat16 36.8 / 42.1, against SlideNhwc's 94.2 / 119.0 and
+// 90.1 / 83.7; one destination column per thread and a barrier per row
 // took 48.8 / 59.2 and 45.0 / 59.9. For 3x3/1 the box filter measured no
 // faster (float32 32x224x224x64: 233 against 216 us), so SlideNhwc keeps
 // those. Tried: the rows ahead in registers instead of the stage (85 us
