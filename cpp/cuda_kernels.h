@@ -26,8 +26,8 @@ cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
 // each dy / divisor is added to every element of its window with atomics.
 // The target is dx for float32 and float64. For 16-bit types it is dx
 // itself where the shared-memory tiles of cuda_scatter.cu apply with aligned
-// pairs of elements and one atomic per dx element (their float32 sums
-// rounded and added by paired 16-bit atomics), else `workspace`, a float32
+// runs of four elements and one atomic per dx element (their float32 sums
+// rounded and added by 16-bit atomics), else `workspace`, a float32
 // buffer of dx's shape, narrowed into dx afterwards (nullptr is an error
 // there).
 cudaError_t LaunchBackwardScatter(cudaStream_t stream, DType dtype,
@@ -36,7 +36,7 @@ cudaError_t LaunchBackwardScatter(cudaStream_t stream, DType dtype,
 
 // Whether the scatter of `dtype` needs the float32 workspace for a call of
 // attributes `a` and shape `s` with 16-byte aligned buffers (XLA's are):
-// for 16-bit types where the paired-atomic tiles do not apply, never for
+// for 16-bit types where the tiles with 16-bit atomics do not apply, never for
 // float32 and float64. Host code; the batch does not change the answer, so
 // a call split over devices along its leading axes needs the workspace on
 // every device or on none.

@@ -46,7 +46,7 @@ def cuda_scatter_needs_workspace(geometry: dict[str, int], dx: Any) -> bool:
     """Whether the CUDA scatter backward into ``dx`` (its abstract value) needs its workspace.
 
     Only a CUDA build has the answer, and only 16-bit types ever say yes: where
-    the shared-memory tiles cannot add to dx itself with paired 16-bit atomics.
+    the shared-memory tiles cannot add to dx itself with 16-bit atomics.
     The batch (every axis before the last three) does not change it.
     """
     attrs = {k: int(v) for k, v in geometry.items()}

@@ -164,8 +164,9 @@ def test_16bit_scatter_gets_a_workspace_only_where_it_needs_one(
     rng: np.random.Generator,
 ) -> None:
     """The lowering gives the CUDA 16-bit scatter its float32 workspace (a second
-    result) only where its tiles cannot add to dx itself with paired 16-bit atomics
-    (shapes in NCHW order); the gradient matches the oracle either way."""
+    result) only where its tiles cannot add to dx itself with 16-bit atomics on
+    aligned runs of four (shapes in NCHW order); the gradient matches the oracle
+    either way."""
     case = TorchCase(shape, 3, 2, 1, layout=layout)
     x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
     xs, gs = _on(gpu, x, g)
