@@ -243,30 +243,47 @@ struct Run {
 constexpr int Margin(int k, int s) { return (k - 1 + s - 1) / s; }
 
 // acc[b] = the sum over the windows j that contain x0 + b of load(j), for
-// the run of Run<K, S, B> in phase ph.
+// the run of Run<K, S, B> in phase ph. At stride 1 (a single phase) output
+// b sums load(b) .. load(b + K - 1), and adjacent outputs share K - 1 of
+// them: SlidingSums adds what they share once (for 7x7/1, 19 additions a
+// channel instead of 30 for a run of 5, 13 instead of 24 for a run of 4).
 template <int K, int S, int B, typename A, int V, typename Load>
 __device__ __forceinline__ void SumRun(int ph, const Load& load,
                                        Vec<A, V> (&acc)[B]) {
   using R = Run<K, S, B>;
+  if constexpr (S == 1) {
+    static_assert(R::kCandidates == B + K - 1);
+    Vec<A, V> v[B + K - 1];
 #pragma unroll
-  for (int b = 0; b < B; ++b) acc[b] = Zero<A, V>();
-  WithPhase<S>(ph, [&](auto phase) {
-    constexpr int kPh = decltype(phase)::value;
-    Unroll<R::kCandidates>([&](auto jc) {
-      constexpr int kJ = decltype(jc)::value;
-      if constexpr (R::Used(kPh, kJ)) {
-        const Vec<A, V> v = load(kJ);
-        Unroll<B>([&](auto bc) {
-          constexpr int kB = decltype(bc)::value;
-          if constexpr (R::First(kPh, kB, kJ)) {
-            acc[kB] = v;
-          } else if constexpr (R::Covers(kPh, kB, kJ)) {
-            AddTo(acc[kB], v);
-          }
-        });
-      }
+    for (int j = 0; j < B + K - 1; ++j) v[j] = load(j);
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      A out[B];
+      SlidingSums<K, B>([&](int j) { return v[j].v[e]; }, out);
+#pragma unroll
+      for (int b = 0; b < B; ++b) acc[b].v[e] = out[b];
+    }
+  } else {
+#pragma unroll
+    for (int b = 0; b < B; ++b) acc[b] = Zero<A, V>();
+    WithPhase<S>(ph, [&](auto phase) {
+      constexpr int kPh = decltype(phase)::value;
+      Unroll<R::kCandidates>([&](auto jc) {
+        constexpr int kJ = decltype(jc)::value;
+        if constexpr (R::Used(kPh, kJ)) {
+          const Vec<A, V> v = load(kJ);
+          Unroll<B>([&](auto bc) {
+            constexpr int kB = decltype(bc)::value;
+            if constexpr (R::First(kPh, kB, kJ)) {
+              acc[kB] = v;
+            } else if constexpr (R::Covers(kPh, kB, kJ)) {
+              AddTo(acc[kB], v);
+            }
+          });
+        }
+      });
     });
-  });
+  }
 }
 
 // The windows (size k, stride s, padding lo before) that contain x are
