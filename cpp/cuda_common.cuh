@@ -274,6 +274,26 @@ __device__ __forceinline__ void StorePieces(T* out, const Acc (&acc)[B],
   }
 }
 
+// Quotient of a non-negative int below 2^31 by a divisor fixed for the launch:
+// a multiply-high, an add and a shift.
+struct FastDiv {
+  uint32_t mul;
+  uint32_t shift;
+  static FastDiv Of(uint32_t d) {
+    uint32_t l = 0;
+    while ((uint64_t{1} << l) < d) ++l;
+    FastDiv f;
+    f.mul = static_cast<uint32_t>(
+        ((uint64_t{1} << 32) * ((uint64_t{1} << l) - d)) / d + 1);
+    f.shift = l;
+    return f;
+  }
+  __device__ __forceinline__ int operator()(int n) const {
+    const uint32_t u = static_cast<uint32_t>(n);
+    return static_cast<int>((__umulhi(u, mul) + u) >> shift);
+  }
+};
+
 // Launching.
 
 template <typename... KArgs, typename... Args>
