@@ -37,6 +37,49 @@ namespace {
 __device__ __forceinline__ float Reciprocal(float v) { return __frcp_rn(v); }
 __device__ __forceinline__ double Reciprocal(double v) { return __drcp_rn(v); }
 
+// The divisor factors that every window of a call shares, when they all
+// share them: under an override, or when each axis's first and last windows
+// (hence all of them: a factor only shrinks towards the ends of an axis)
+// have the kernel's extent as their factor, as every window does in a call
+// without padding or ceil_mode overhang, and under the padded count in any
+// call without overhang. `row`, `col` and `value` are then the reciprocals
+// that the per-window path would compute, in the same arithmetic (host IEEE
+// division is correctly rounded, as Reciprocal), so kernels that take them
+// instead (the NCHW row kernels, the NHWC strided gather and sliding
+// forward) give bitwise the same results, for fewer instructions: in the
+// 7x7/1 NCHW gather the per-window reciprocals were half of them.
+template <typename Acc>
+struct SharedFactor {
+  bool all;
+  Acc row, col;  // 1 / row factor, 1 / column factor
+  Acc value;     // row * col
+};
+
+template <typename Acc>
+SharedFactor<Acc> SharedFactorOf(const PoolAttrs& a, const PoolShape& s) {
+  if (a.divisor_mode == kOverride) {
+    const Acc row = Acc(1) / static_cast<Acc>(a.divisor_override);
+    return {true, row, Acc(1), row};
+  }
+  const auto full = [&](int64_t in, int64_t out, int64_t k, int64_t st,
+                        int64_t lo, int64_t hi) {
+    for (const int64_t o : {int64_t{0}, out - 1}) {
+      const Window w = WindowAt(o, in, k, st, lo, hi);
+      const int64_t f =
+          a.divisor_mode == kCountPadded ? w.padded_count : w.end - w.start;
+      if (f != k) return false;
+    }
+    return out > 0;
+  };
+  if (!full(s.in_h, s.out_h, a.kernel_h, a.stride_h, a.pad_top, a.pad_bottom) ||
+      !full(s.in_w, s.out_w, a.kernel_w, a.stride_w, a.pad_left, a.pad_right)) {
+    return {false, Acc(0), Acc(0), Acc(0)};
+  }
+  const Acc row = Acc(1) / static_cast<Acc>(a.kernel_h),
+            col = Acc(1) / static_cast<Acc>(a.kernel_w);
+  return {true, row, col, row * col};
+}
+
 // SlidingSums down the first axis of a table, column by column:
 // out[o][j] = in[o][j] + ... + in[o + K - 1][j].
 template <int K, typename Acc, int M, int N, int R>
@@ -453,6 +496,13 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Blocks per multiprocessor that GatherNhwcRows is compiled for: three for
+// 16-bit types with stride 2, which then take 80 registers or fewer instead
+// of 124 (bfloat16 3x3/2 on the H200: 72.3 against 76.0 us; 2x2/2: 67.0
+// against 68.6).
+template <typename T, typename S>
+constexpr int kNhwcGatherBlocks = sizeof(T) == 2 && S::SH > 1 ? 3 : 0;
+
 // NHWC gather, specialisations of stride 2 (SlideNhwc does stride 1): a
 // work item is (image n, block of R input rows, group of BLOCK inputs along
 // W, vector of V channels), R and BLOCK multiples of SH and SW. The first
@@ -466,9 +516,10 @@ __global__ void __launch_bounds__(kThreads)
 // columns they cover, and those sums, times the row's factor, are added to
 // the dx rows the dy row covers.
 template <typename T, typename S, int V, int R, int EW, int EH>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kNhwcGatherBlocks<T, S>)
     GatherNhwcRows(const PoolAttrs a, const PoolShape s,
                    const T* __restrict__ dy, T* __restrict__ dx,
+                   const SharedFactor<typename Num<T>::Acc> shared,
                    const int64_t total) {
   using N = Num<T>;
   using Acc = typename N::Acc;
@@ -493,11 +544,12 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int u = 0; u < NU; ++u) {
       const int64_t ow = ow_lo + u;
-      wf[u] =
-          ow >= 0 && ow < OW
-              ? Reciprocal(WindowFactor<Acc>(
-                    a, WindowAt(ow, W, KW, SW, a.pad_left, a.pad_right), false))
-              : Acc(0);
+      wf[u] = ow < 0 || ow >= OW ? Acc(0)
+              : shared.all
+                  ? shared.col
+                  : Reciprocal(WindowFactor<Acc>(
+                        a, WindowAt(ow, W, KW, SW, a.pad_left, a.pad_right),
+                        false));
     }
     Acc acc[R][B][V];
     FillZero(acc);
@@ -515,10 +567,11 @@ __global__ void __launch_bounds__(kThreads)
         for (int e = 0; e < V; ++e) q[u][e] = N::Load(v.v[e]) * wf[u];
       }
       const Acc hf =
-          row_ok
-              ? Reciprocal(WindowFactor<Acc>(
-                    a, WindowAt(oh, H, KH, SH, a.pad_top, a.pad_bottom), true))
-              : Acc(0);
+          !row_ok ? Acc(0)
+          : shared.all
+              ? shared.row
+              : Reciprocal(WindowFactor<Acc>(
+                    a, WindowAt(oh, H, KH, SH, a.pad_top, a.pad_bottom), true));
       Acc sums[B][V];  // dy row oh over column w0 + b
 #pragma unroll
       for (int b = 0; b < B; ++b) {
@@ -772,6 +825,19 @@ __device__ __forceinline__ Acc InverseFactor(const PoolAttrs& a, int o, int in,
   return Reciprocal(AxisFactor<Acc>(a, o, in, K, s, lo, hi, is_row));
 }
 
+// Which NCHW row kernels take SharedFactor's path where a call has one. On
+// the H200, CUDA events, us, against the per-window path: forward 3x3/2
+// float32 118.5 against 122.5, bfloat16 71.5 against 79.2 (with padding 1
+// 65.8 against 71.0), 2x2/2 bfloat16 62.9 against 64.0, 7x7/1 float32 50.0
+// against 52.6; gather 7x7/1 float32 54.7 against 61.2 (before its pair
+// loads), bfloat16 47.0 against 60.3. Elsewhere it measured slower, by
+// 3-7%: the bfloat16 7x7/1 forward (44.2 against 41.3) and 3x3/2 gather
+// (81.2 against 79.2; 84.3 against 78.6 with padding 1).
+template <typename T, typename S>
+constexpr bool kSharedForward = S::SH == 2 || (sizeof(T) >= 4 && S::KH == 7);
+template <typename S>
+constexpr bool kSharedGather = S::KH >= 5;
+
 // Whether a forward row kernel takes its items' indices by multiplications
 // (RowDivs) and the reciprocals of inner windows' factors as constants
 // (InverseFactor): fewer instructions, which pays where they bound it. On
@@ -794,6 +860,7 @@ __global__ void __launch_bounds__(kThreads)
     ForwardNchwRows(const PoolAttrs a, const PoolShape s,
                     const T* __restrict__ x, T* __restrict__ y,
                     const int64_t chunks, const RowDivs divs,
+                    const SharedFactor<typename Num<T>::Acc> shared,
                     const int64_t total) {
   using N = Num<T>;
   using Acc = typename N::Acc;
@@ -866,15 +933,22 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     if (!item.owned || g * B >= OW) continue;
+    const bool all = kSharedForward<T, S> && shared.all;
     Acc wf[B];
+    if (all) {
 #pragma unroll
-    for (int b = 0; b < B; ++b) {
-      wf[b] = kLeanRows<T, S>
-                  ? InverseFactor<Acc, KW>(a, g * B + b, W, SW, PL,
-                                           static_cast<int>(a.pad_right), false)
-                  : Reciprocal(AxisFactor<Acc>(a, g * B + b, W, KW, SW, PL,
-                                               static_cast<int>(a.pad_right),
-                                               false));
+      for (int b = 0; b < B; ++b) wf[b] = shared.value;
+    } else {
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        wf[b] =
+            kLeanRows<T, S>
+                ? InverseFactor<Acc, KW>(a, g * B + b, W, SW, PL,
+                                         static_cast<int>(a.pad_right), false)
+                : Reciprocal(AxisFactor<Acc>(a, g * B + b, W, KW, SW, PL,
+                                             static_cast<int>(a.pad_right),
+                                             false));
+      }
     }
 #pragma unroll
     for (int o = 0; o < R; ++o) {
@@ -883,7 +957,8 @@ __global__ void __launch_bounds__(kThreads)
       const int pt = static_cast<int>(a.pad_top),
                 pb = static_cast<int>(a.pad_bottom);
       const Acc hf =
-          kLeanRows<T, S>
+          all ? Acc(1)
+          : kLeanRows<T, S>
               ? InverseFactor<Acc, KH>(a, oh, H, SH, pt, pb, true)
               : Reciprocal(AxisFactor<Acc>(a, oh, H, KH, SH, pt, pb, true));
       Acc out[B];
@@ -913,7 +988,9 @@ template <typename T, typename S, int PL, int E, int R>
 __global__ void __launch_bounds__(kThreads)
     GatherNchwRows(const PoolAttrs a, const PoolShape s,
                    const T* __restrict__ dy, T* __restrict__ dx,
-                   const int64_t chunks, const int64_t total) {
+                   const int64_t chunks,
+                   const SharedFactor<typename Num<T>::Acc> shared,
+                   const int64_t total) {
   using N = Num<T>;
   using Acc = typename N::Acc;
   constexpr int KH = S::KH, KW = S::KW, SH = S::SH, SW = S::SW, B = S::BLOCK;
@@ -934,6 +1011,12 @@ __global__ void __launch_bounds__(kThreads)
   const Lanes lanes;
   const int lane = lanes.lane;
   const bool whole_vectors = CanStoreRuns<T, B>(dy, OW);
+  // Else aligned pairs where dy rows are of even length (the 22 of 7x7/1
+  // on 28x28 planes): half the load instructions of single elements. On the
+  // H200 the float32 7x7/1 gather took 50.8 against 54.7 us with them; the
+  // bfloat16 one 86 against 47 (its third load path in registers), so
+  // 16-bit types load single elements.
+  const bool pairs = sizeof(T) >= 4 && B % 2 == 0 && CanStoreRuns<T, 2>(dy, OW);
   // Per warp, the staging area of WarpStore (unused for 16 bytes or less).
   constexpr int kStage = sizeof(T) * V > 16 ? 32 * V : 1;
   __shared__ __align__(16) T stage[kThreads / 32][kStage];
@@ -953,6 +1036,13 @@ __global__ void __launch_bounds__(kThreads)
       const T* grow = dy + (p * OH + (ok ? oh : 0)) * OW + (ok ? ow0 : 0);
       if (whole_vectors) {
         LoadRun<T, B>(grow, ok, q[t]);
+      } else if (pairs) {
+#pragma unroll
+        for (int b = 0; b < B; b += 2) {
+          const Vec<T, 2> v = LoadOrZero<T, 2>(grow + b, ok && ow0 + b < OW);
+          q[t][b] = N::Load(v.v[0]);
+          q[t][b + 1] = N::Load(v.v[1]);
+        }
       } else {
 #pragma unroll
         for (int b = 0; b < B; ++b) {
@@ -961,22 +1051,31 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
     }
-    Acc wf[B];
+    if (kSharedGather<S> && shared.all) {
+      // The loads left zeros outside dy.
 #pragma unroll
-    for (int b = 0; b < B; ++b) {
-      wf[b] = Reciprocal(AxisFactor<Acc>(a, ow0 + b, W, KW, SW, PL,
-                                         static_cast<int>(a.pad_right), false));
-    }
+      for (int t = 0; t < NOH; ++t) {
 #pragma unroll
-    for (int t = 0; t < NOH; ++t) {
-      const int oh = oh_lo + t;
-      const bool ok = active && oh >= 0 && oh < OH;
-      const Acc hf = Reciprocal(AxisFactor<Acc>(
-          a, ok ? oh : 0, H, KH, SH, static_cast<int>(a.pad_top),
-          static_cast<int>(a.pad_bottom), true));
+        for (int b = 0; b < B; ++b) q[t][b] *= shared.value;
+      }
+    } else {
+      Acc wf[B];
 #pragma unroll
       for (int b = 0; b < B; ++b) {
-        q[t][b] = ok && ow0 + b < OW ? q[t][b] * (hf * wf[b]) : Acc(0);
+        wf[b] = Reciprocal(AxisFactor<Acc>(
+            a, ow0 + b, W, KW, SW, PL, static_cast<int>(a.pad_right), false));
+      }
+#pragma unroll
+      for (int t = 0; t < NOH; ++t) {
+        const int oh = oh_lo + t;
+        const bool ok = active && oh >= 0 && oh < OH;
+        const Acc hf = Reciprocal(AxisFactor<Acc>(
+            a, ok ? oh : 0, H, KH, SH, static_cast<int>(a.pad_top),
+            static_cast<int>(a.pad_bottom), true));
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+          q[t][b] = ok && ow0 + b < OW ? q[t][b] * (hf * wf[b]) : Acc(0);
+        }
       }
     }
     // Per input row r, the sums over the dy rows whose windows cover row
@@ -1311,7 +1410,9 @@ constexpr int kNhwcSlideBlocks =
 template <typename T, typename S, int V, int B, bool kGather>
 __global__ void __launch_bounds__(kThreads, kNhwcSlideBlocks<T, S>)
     SlideNhwc(const PoolAttrs a, const PoolShape s, const T* __restrict__ src,
-              T* __restrict__ dst, const int rows, const int64_t total) {
+              T* __restrict__ dst, const int rows,
+              const SharedFactor<typename Num<T>::Acc> shared,
+              const int64_t total) {
   using N = Num<T>;
   using Acc = typename N::Acc;
   using VecT = Vec<T, V>;
@@ -1329,6 +1430,9 @@ __global__ void __launch_bounds__(kThreads, kNhwcSlideBlocks<T, S>)
   const int64_t lead_h = kGather ? KH - 1 - a.pad_top : a.pad_top;
   const int64_t lead_w = kGather ? KW - 1 - a.pad_left : a.pad_left;
   const bool narrow = total <= INT32_MAX;
+  // The shared factor measured slower in the gather (3x3/1 float32 232
+  // against 226 us on the H200), so only the forward takes it.
+  const bool all = !kGather && shared.all;
   for (int64_t i = FirstThread(); i < total; i += ThreadCount()) {
     const NhwcItem it = NhwcItemAt(i, segs, groups, CV, rows, B, V, narrow);
     const int64_t top = it.r0 * SS - lead_h, c0 = it.w0 * SS - lead_w;
@@ -1343,11 +1447,11 @@ __global__ void __launch_bounds__(kThreads, kNhwcSlideBlocks<T, S>)
 #pragma unroll
     for (int u = 0; u < NF; ++u) {
       const int64_t ow = kGather ? c0 + u : it.w0 + u;
-      wf[u] =
-          ow >= 0 && ow < OW
-              ? Reciprocal(WindowFactor<Acc>(
-                    a, WindowAt(ow, W, KW, SS, a.pad_left, a.pad_right), false))
-              : Acc(0);
+      wf[u] = ow < 0 || ow >= OW ? Acc(0)
+              : all ? shared.col
+                    : Reciprocal(WindowFactor<Acc>(
+                          a, WindowAt(ow, W, KW, SS, a.pad_left, a.pad_right),
+                          false));
     }
     Acc acc[NS][B][V];
     const int nr = (nout - 1) * SS + KH;  // source rows under the segment
@@ -1428,8 +1532,10 @@ __global__ void __launch_bounds__(kThreads, kNhwcSlideBlocks<T, S>)
           const int64_t oh = it.r0 + o / SS;
           Acc of = Acc(1);
           if constexpr (!kGather) {
-            of = Reciprocal(WindowFactor<Acc>(
-                a, WindowAt(oh, H, KH, SS, a.pad_top, a.pad_bottom), true));
+            of = all ? shared.row
+                     : Reciprocal(WindowFactor<Acc>(
+                           a, WindowAt(oh, H, KH, SS, a.pad_top, a.pad_bottom),
+                           true));
           }
           StoreChannelRun<T>(
               out + (oh * dst_w + it.w0) * C, C, dst_w - it.w0, acc[slot],
@@ -1767,7 +1873,7 @@ cudaError_t LaunchSlideNhwc(cudaStream_t stream, const PoolAttrs& a,
     const int64_t items =
         s.batch * Groups(dst_h, rows) * Groups(dst_w, B) * (s.channels / V);
     return Launch(SlideNhwc<T, S, V, B, kGather>, stream, items, a, s, src, dst,
-                  rows);
+                  rows, SharedFactorOf<typename Num<T>::Acc>(a, s));
   };
   if constexpr (NhwcBox<S>()) {
     // Eight bytes for 16-bit types; cp.async moves 4, 8 or 16 bytes, so
@@ -1820,7 +1926,8 @@ cudaError_t LaunchForward(cudaStream_t stream, DType dtype, const PoolAttrs& a,
                   FastDiv::Of(static_cast<uint32_t>(row_blocks))};
               return LaunchRows(
                   ForwardNchwRows<T, S, decltype(pl)::value, R, P>, stream,
-                  items, a, s, in, out, chunks, divs);
+                  items, a, s, in, out, chunks, divs,
+                  SharedFactorOf<typename Num<T>::Acc>(a, s));
             });
           });
         }
@@ -1959,7 +2066,8 @@ cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
             return WithPhase<S::KH, S::SH>(a.pad_top, [&](auto e) {
               return LaunchRows(GatherNchwRows<T, S, decltype(pl)::value,
                                                decltype(e)::value, R>,
-                                stream, items, a, s, in, out, chunks);
+                                stream, items, a, s, in, out, chunks,
+                                SharedFactorOf<typename Num<T>::Acc>(a, s));
             });
           });
         }
@@ -2001,7 +2109,8 @@ cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
             return WithPhase<S::KH, S::SH>(a.pad_top, [&](auto eh) {
               return Launch(GatherNhwcRows<T, S, V, R, decltype(ew)::value,
                                            decltype(eh)::value>,
-                            stream, items, a, s, in, out);
+                            stream, items, a, s, in, out,
+                            SharedFactorOf<typename Num<T>::Acc>(a, s));
             });
           });
         };
