@@ -106,6 +106,26 @@ def test_entry_ops() -> None:
     assert bench.entry_ops(compiled.as_text()) == ops
 
 
+def test_time_per_call_batches_calls_per_dispatch() -> None:
+    """K calls a dispatch: one program over K distinct copies, timed per call."""
+    x = jax.numpy.arange(64.0).reshape(1, 1, 8, 8)
+    settings = bench.Settings(repeat=2, min_time=0.0, torch=False, per_dispatch=3)
+    seen = []
+
+    def fn(t):
+        seen.append(t.shape)
+        return t * 2.0
+
+    timing = bench.time_per_call(fn, x, settings)
+    assert seen == [x.shape] * 3  # traced once per copy, into one program
+    assert timing.calls % 3 == 0 and len(timing.repeats) == 2 and timing.seconds > 0
+    result = bench.bench_case(bench.parse_case("1x2x8x8:k2"), settings)
+    rows = {r.impl: r for r in result.rows}
+    assert rows["ours fwd"].calls % 3 == 0
+    assert rows["ours fwd"].hlo_ops == ["custom-call:jax_avgpool_forward"]
+    assert max(result.checks.values()) < 1e-5
+
+
 def test_time_fn_chain() -> None:
     timing = bench.time_fn(lambda n: n + 1, 0, repeat=3, min_time=0.0, block=lambda _: None)
     assert len(timing.repeats) == 3 and timing.seconds > 0 and timing.calls >= 1
@@ -125,6 +145,7 @@ def test_train_step_bench() -> None:
 def test_cli_json(tmp_path, capsys) -> None:
     out = tmp_path / "bench.json"
     argv = ["bench", "--case", "1x2x6x6:k2s2:f32:NHWC", "--repeat", "1", "--min-time", "0"]
+    argv += ["--per-dispatch", "2"]
     assert cli.main([*argv, "--no-train", "--no-torch", "--json", str(out)]) == 0
     printed = capsys.readouterr()
     assert "1x2x6x6 k2s2 f32 NHWC" in printed.out and "[1/1]" in printed.err
@@ -133,6 +154,8 @@ def test_cli_json(tmp_path, capsys) -> None:
     assert case["layout"] == "NHWC" and data["train"] is None
     assert {r["impl"] for r in case["rows"]} >= {"copy", "ours fwd", "ours bwd scatter"}
     assert all(r["us"] > 0 for r in case["rows"])
+    assert data["settings"]["per_dispatch"] == 2
+    assert all(r["calls_per_repeat"] % 2 == 0 for r in case["rows"])
 
 
 def test_cli_rejects_bad_case(capsys) -> None:
