@@ -106,7 +106,7 @@ def test_entry_ops() -> None:
     assert bench.entry_ops(compiled.as_text()) == ops
 
 
-def test_time_per_call_batches_calls_per_dispatch() -> None:
+def test_time_per_call_batches_calls_per_dispatch(monkeypatch) -> None:
     """K calls a dispatch: one program over K distinct copies, timed per call."""
     x = jax.numpy.arange(64.0).reshape(1, 1, 8, 8)
     settings = bench.Settings(repeat=2, min_time=0.0, torch=False, per_dispatch=3)
@@ -119,6 +119,19 @@ def test_time_per_call_batches_calls_per_dispatch() -> None:
     timing = bench.time_per_call(fn, x, settings)
     assert seen == [x.shape] * 3  # traced once per copy, into one program
     assert timing.calls % 3 == 0 and len(timing.repeats) == 2 and timing.seconds > 0
+
+    timed = []
+
+    def fake_time_fn(compiled, *args, **kwargs):
+        outs = compiled(*args)
+        timed.append((len(args), len(outs), [float(o.sum()) for o in outs]))
+        return bench.Timing(6.0, [6.0, 3.0], 5)
+
+    monkeypatch.setattr(bench, "time_fn", fake_time_fn)
+    timing = bench.time_per_call(fn, x, settings)
+    assert timed == [(3, 3, [2 * float(x.sum())] * 3)]  # each copy holds the argument
+    assert (timing.seconds, timing.repeats, timing.calls) == (2.0, [2.0, 1.0], 15)
+    monkeypatch.undo()
     result = bench.bench_case(bench.parse_case("1x2x8x8:k2"), settings)
     rows = {r.impl: r for r in result.rows}
     assert rows["ours fwd"].calls % 3 == 0
