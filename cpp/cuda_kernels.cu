@@ -2,7 +2,7 @@
 // backward, in NCHW and NHWC, and their launchers (the atomic scatter is in
 // cuda_scatter.cu).
 //
-// Three families:
+// Four families:
 // - NCHW row kernels (the specialisations, when W is a multiple of the
 //   16-byte chunk): the lanes of a warp cover consecutive chunks of the same
 //   rows and exchange the columns at chunk edges by warp shuffles; see
@@ -14,6 +14,10 @@
 //   stride 1 and the 3x3/2 forward (see "NHWC: a sliding window down H";
 //   windows wider than 3 at stride 1 sum along W through shared memory,
 //   see "the box filter"); of a block of rows for the others.
+// - NCHW planes in shared memory, for stride-1 windows of 5 and more (7x7/1)
+//   on planes small enough that a few fit in a block's shared memory: the
+//   forward, and the 16-bit gathers, as two separable passes; see "whole
+//   planes in shared memory".
 // - Direct NCHW kernels for every other call: grid-stride loops over BLOCK
 //   adjacent outputs or inputs along W, and a shared-memory tiled gather for
 //   heavily overlapping generic windows.
@@ -1891,6 +1895,552 @@ cudaError_t LaunchSlideNhwc(cudaStream_t stream, const PoolAttrs& a,
   return launch(std::integral_constant<int, 1>{});
 }
 
+// ---------------------------------------------------------------------------
+// NCHW, stride 1, whole planes in shared memory (7x7/1 on 28x28 planes, the
+// last stages of ResNet-style networks). The row kernels load each source
+// row once per item of R destination rows, so the rows that the windows of
+// adjacent items share come from L2 (R + K - 1) / R times, and they spend
+// most of their instructions on the shuffles and sums of chunks too narrow
+// for a 28-wide row. Here a block takes groups of P consecutive planes,
+// which are one contiguous range of global memory: it copies each group's
+// source planes into shared memory with cp.async (16-byte pieces where the
+// plane allows), then sums in two separable passes, as the forward and the
+// gather are the same box filter with different offsets:
+//   destination (i, j) = sum of source rows i + off_h .. i + off_h + K - 1
+//                        and columns j + off_w .. j + off_w + K - 1,
+// off = -pad for the forward (source x, destination y) and pad - K + 1 for
+// the gather (source dy, destination dx), rows and columns outside the
+// source being zero. Pass 1 (a thread per two columns and G destination
+// rows) sums down the columns into `tmp`, float32 for 16-bit types; pass 2
+// (a thread per C destination columns of a row, adjacent lanes on adjacent
+// rows) sums along the rows of `tmp` and writes the group's destination
+// planes contiguously into a stage, which the block then copies out in
+// 16-byte pieces where the range allows. The gather divides each dy element
+// by its divisor as pass 1 loads it (as dy * (1 / row factor * 1 / column
+// factor), the row kernels' product); the forward multiplies its sums in
+// pass 2, by the one divisor where every window shares it. The zero
+// rows and columns around the source planes in shared memory are cleared
+// once, as nothing writes them again. The next group's copy is issued as
+// soon as pass 1 is done with the source planes, so it overlaps pass 2 and
+// the copy-out; the grid keeps every block resident.
+
+// Destination rows per thread of pass 1 and destination columns per thread
+// of pass 2: for 7x7/1 on 28x28 planes, whole multiples of the forward's 22
+// and the gather's 28 rows and columns, or nearly. On the H200 (CUDA
+// events), 11 rows took the bfloat16 forward 32.6 us against 35.7 for 8
+// (and with padding 3, over 28 rows, 49.7 against 47.0); choosing 7 or 11
+// rows at run time cost the gathers 3 us, as both passes then hold the
+// registers of the larger.
+template <bool kGather>
+constexpr int kPlaneRows = kGather ? 7 : 11;
+template <bool kGather>
+constexpr int kPlaneCols = kGather ? 4 : 8;
+// A block takes the largest power of two of planes, at most
+// kPlaneMaxGroup, whose shared memory fits the 48 KiB that need no opt-in;
+// calls where fewer than kPlaneMinGroup fit keep the row kernels, as do the
+// 4- and 8-byte gathers and the gathers whose windows share one divisor.
+// On the H200 (CUDA events, us, 64x512 planes of 28x28, 7x7/1, against the
+// row kernels), forward: bfloat16 32.6 against 40.6 (float16 32.5 against
+// 39.8; padding 3: 49.7 against 58.0, and with count_include_pad=False
+// 54.3 against 58.0), float32 46.7 against 49.6. Gather, bfloat16 with
+// padding 3 and count_include_pad=False: 52.9 against 58.2. Slower, hence
+// left to the row kernels: the bfloat16 gathers whose windows share a
+// divisor (unpadded 47.1 against 46.4, padding 3 46.0 against 42.4), the
+// float32 gather (55.8 against 50.2), the float32 forward with padding 3
+// (62.5 against 58.2 with 7 rows per pass 1 task, when four planes fit)
+// and 56x56 planes (16-bit gather 47.8 against 44.4, two planes in 64 KiB).
+constexpr size_t kPlaneBudget = 48 * 1024;
+template <typename T, bool kGather>
+constexpr int kPlaneMinGroup = sizeof(T) == 2 && !kGather ? 2 : 4;
+constexpr int kPlaneMaxGroup = 8;
+
+// The specialisations that take it: stride 1, square windows of 5 and more.
+template <typename S>
+constexpr bool PlaneSpec() {
+  if constexpr (S::kGeneric) {
+    return false;
+  } else {
+    return S::SH == 1 && S::SW == 1 && S::KH == S::KW && S::KH >= 5;
+  }
+}
+
+// The geometry of a call, computed on the host. Extents in elements;
+// shared-memory offsets (`*_at`) in bytes.
+struct PlaneGeom {
+  int group;                     // P, planes per group
+  int in_h, in_w, out_h, out_w;  // a source and a destination plane
+  int off_h, off_w;              // see above
+  int src_slot;   // elements of T per source plane in shared memory
+  int src_data;   // where the plane's row 0 starts in its slot
+  int tmp_w;      // row stride of tmp
+  int tmp_a;      // where column 0 is in a row of tmp
+  int piece;      // bytes per cp.async piece of the copy-in: 16, 8 or 4
+  int out_piece;  // bytes per piece of a whole group's copy-out
+  int tmp_at, stage_at, rf_at, cf_at, bytes;
+  // The factor tables: rf[i - rf_lo] for the pooled rows i in
+  // [rf_lo, rf_lo + rf_len) that a pass reads, cf[j] for j < cf_len, zero
+  // outside the pooled extents.
+  int rf_lo, rf_len, cf_len;
+  int pairs, row_groups, col_groups;  // pass 1 and pass 2 extents
+  FastDiv by_pairs, by_row_groups, by_rows2, by_out_h, by_pieces;
+};
+
+// Pass 1 for a task: the column sums of source columns c and c + 1 (when
+// `second`) over the windows of destination rows i0 .. i0 + G - 1, read at
+// `col` (row i0 + off_h, column c) and written to `to` (tmp row i0, column
+// c), rows below `rows` only. kEven: the row width is even, so the two
+// columns are one aligned pair and both exist; kPair: they are stored as
+// one aligned pair too. kScale: each value is first multiplied by its
+// divisor factors, rfp[u] * c0 (c1) for source row i0 + off_h + u.
+template <int K, int G, bool kEven, bool kPair, bool kScale, typename T,
+          typename Acc>
+__device__ __forceinline__ void ColumnSums(const T* col, int in_w, Acc* to,
+                                           int tmp_w, int rows, bool second,
+                                           const Acc* rfp, Acc c0, Acc c1) {
+  using N = Num<T>;
+  Acc v0[G + K - 1], v1[G + K - 1];
+#pragma unroll
+  for (int u = 0; u < G + K - 1; ++u) {
+    const T* at = col + u * in_w;
+    if constexpr (kEven && std::is_same_v<T, __nv_bfloat16>) {
+      // Both halves widen by bit moves: one instruction each.
+      const unsigned bits = *reinterpret_cast<const unsigned*>(at);
+      v0[u] = __uint_as_float(bits << 16);
+      v1[u] = __uint_as_float(bits & 0xffff0000u);
+    } else if constexpr (kEven) {
+      const Vec<T, 2> pair = *reinterpret_cast<const Vec<T, 2>*>(at);
+      v0[u] = N::Load(pair.v[0]);
+      v1[u] = N::Load(pair.v[1]);
+    } else {
+      v0[u] = N::Load(at[0]);
+      v1[u] = N::Load(at[1]);
+    }
+  }
+  if constexpr (kScale) {
+#pragma unroll
+    for (int u = 0; u < G + K - 1; ++u) {
+      const Acc r = rfp[u];
+      v0[u] *= r * c0;
+      v1[u] *= r * c1;
+    }
+  }
+  Acc s0[G], s1[G];
+  SlidingSums<K, G>([&](int u) { return v0[u]; }, s0);
+  SlidingSums<K, G>([&](int u) { return v1[u]; }, s1);
+  const auto store = [&](int o) {
+    Acc* at = to + o * tmp_w;
+    if constexpr (kPair && std::is_same_v<Acc, float>) {
+      *reinterpret_cast<float2*>(at) = make_float2(s0[o], s1[o]);
+    } else if constexpr (kPair) {
+      *reinterpret_cast<double2*>(at) = make_double2(s0[o], s1[o]);
+    } else {
+      at[0] = s0[o];
+      if (kEven || second) at[1] = s1[o];
+    }
+  };
+  if (rows >= G) {
+#pragma unroll
+    for (int o = 0; o < G; ++o) store(o);
+  } else {
+#pragma unroll
+    for (int o = 0; o < G; ++o) {
+      if (o < rows) store(o);
+    }
+  }
+}
+
+// Copies `bytes` (a multiple of Q) from the 16-byte aligned shared `from`
+// to global `to` (aligned to Q), a Q-byte piece per thread.
+template <int Q>
+__device__ __forceinline__ void CopyOutPieces(const unsigned char* from,
+                                              unsigned char* to, int bytes) {
+  using Raw = typename RawBits<Q>::type;
+  for (int i = threadIdx.x; i < bytes / Q; i += blockDim.x) {
+    reinterpret_cast<Raw*>(to)[i] = reinterpret_cast<const Raw*>(from)[i];
+  }
+}
+
+// Starts copying Q bytes from global `from` to shared `to`, both aligned,
+// without a commit.
+template <int Q>
+__device__ __forceinline__ void StartCopy(void* to, const void* from) {
+#if __CUDA_ARCH__ >= 800
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(to));
+  if constexpr (Q == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst),
+                 "l"(from));
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst),
+                 "l"(from), "n"(Q));
+  }
+#else
+  using Raw = typename RawBits<Q>::type;
+  *static_cast<Raw*>(to) = *static_cast<const Raw*>(from);
+#endif
+}
+
+// Copies np planes of `per` Q-byte pieces each from global `from`
+// (contiguous) into their slots in shared memory, as one commit group.
+template <int Q>
+__device__ __forceinline__ void CopyInPlanes(unsigned char* slots,
+                                             int slot_bytes,
+                                             const unsigned char* from, int per,
+                                             FastDiv by_per, int np) {
+  for (int i = threadIdx.x; i < np * per; i += blockDim.x) {
+    const int p = by_per(i);
+    StartCopy<Q>(slots + p * slot_bytes + (i - p * per) * Q, from + i * Q);
+  }
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+template <typename T, typename S, bool kGather>
+__global__ void __launch_bounds__(kThreads)
+    PlanesNchw(const PoolAttrs a, const PoolShape s, const T* __restrict__ src,
+               T* __restrict__ dst, const PlaneGeom g,
+               const SharedFactor<typename Num<T>::Acc> shared,
+               const int64_t planes) {
+  using N = Num<T>;
+  using Acc = typename N::Acc;
+  constexpr int K = S::KH, G = kPlaneRows<kGather>, C = kPlaneCols<kGather>;
+  constexpr int VA = 16 / static_cast<int>(sizeof(Acc));  // per 16 bytes
+  constexpr int KR = (C + K - 1 + VA - 1) / VA * VA;      // pass 2 loads
+  extern __shared__ __align__(16) unsigned char smem[];
+  const T* src_s = reinterpret_cast<const T*>(smem);
+  Acc* tmp = reinterpret_cast<Acc*>(smem + g.tmp_at);
+  unsigned char* stage = smem + g.stage_at;
+  T* stage_t = reinterpret_cast<T*>(stage);
+  Acc* rf = reinterpret_cast<Acc*>(smem + g.rf_at);
+  Acc* cf = reinterpret_cast<Acc*>(smem + g.cf_at);
+  const int tid = threadIdx.x, nthreads = blockDim.x;
+  // Zeros around the planes, and the factor tables.
+  for (int i = tid; i < g.stage_at / 16; i += nthreads) {
+    reinterpret_cast<uint4*>(smem)[i] = make_uint4(0, 0, 0, 0);
+  }
+  const bool scaled = !shared.all;
+  if (scaled) {
+    const int H = static_cast<int>(s.in_h), W = static_cast<int>(s.in_w);
+    const int OH = static_cast<int>(s.out_h), OW = static_cast<int>(s.out_w);
+    for (int k = tid; k < g.rf_len; k += nthreads) {
+      const int o = k + g.rf_lo;
+      rf[k] = o >= 0 && o < OH ? Reciprocal(AxisFactor<Acc>(
+                                     a, o, H, K, 1, static_cast<int>(a.pad_top),
+                                     static_cast<int>(a.pad_bottom), true))
+                               : Acc(0);
+    }
+    for (int o = tid; o < g.cf_len; o += nthreads) {
+      cf[o] = o < OW ? Reciprocal(AxisFactor<Acc>(
+                           a, o, W, K, 1, static_cast<int>(a.pad_left),
+                           static_cast<int>(a.pad_right), false))
+                     : Acc(0);
+    }
+  }
+  __syncthreads();
+  const int64_t groups = (planes + g.group - 1) / g.group;
+  const int64_t in_plane = static_cast<int64_t>(g.in_h) * g.in_w;
+  const int64_t out_plane = static_cast<int64_t>(g.out_h) * g.out_w;
+  const int in_bytes = static_cast<int>(in_plane * sizeof(T));
+  const int slot_bytes = g.src_slot * static_cast<int>(sizeof(T));
+  const auto count = [&](int64_t grp) {
+    return static_cast<int>(
+        min(static_cast<int64_t>(g.group), planes - grp * g.group));
+  };
+  const auto copy_in = [&](int64_t grp) {
+    const unsigned char* from =
+        reinterpret_cast<const unsigned char*>(src + grp * g.group * in_plane);
+    unsigned char* to = smem + g.src_data * sizeof(T);
+    const int np = count(grp), per = in_bytes / g.piece;
+    if (g.piece == 16) {
+      CopyInPlanes<16>(to, slot_bytes, from, per, g.by_pieces, np);
+    } else if (g.piece == 8) {
+      CopyInPlanes<8>(to, slot_bytes, from, per, g.by_pieces, np);
+    } else {
+      CopyInPlanes<4>(to, slot_bytes, from, per, g.by_pieces, np);
+    }
+  };
+  // Pass 1, with its compile-time choices.
+  const auto pass1 = [&](int np, auto even, auto pair, auto scale) {
+    constexpr bool kEven = decltype(even)::value;
+    constexpr bool kPair = decltype(pair)::value;
+    constexpr bool kScale = decltype(scale)::value;
+    const int tasks = np * g.pairs * g.row_groups;
+    for (int t = tid; t < tasks; t += nthreads) {
+      const int q = g.by_pairs(t), c = (t - q * g.pairs) * 2;
+      const int p = g.by_row_groups(q), i0 = (q - p * g.row_groups) * G;
+      const T* col =
+          src_s + p * g.src_slot + g.src_data + (i0 + g.off_h) * g.in_w + c;
+      Acc* to = tmp + (p * g.out_h + i0) * g.tmp_w + g.tmp_a + c;
+      const Acc* rfp = rf + (i0 + g.off_h - g.rf_lo);
+      ColumnSums<K, G, kEven, kPair, kScale, T>(
+          col, g.in_w, to, g.tmp_w, g.out_h - i0, c + 1 < g.in_w, rfp,
+          kScale ? cf[c] : Acc(0), kScale ? cf[c + 1] : Acc(0));
+    }
+  };
+  using True = std::true_type;
+  using False = std::false_type;
+  const bool even = g.in_w % 2 == 0, pair = even && g.tmp_a % 2 == 0;
+  int64_t grp = blockIdx.x;
+  if (grp < groups) copy_in(grp);
+  for (; grp < groups; grp += gridDim.x) {
+    const int np = count(grp);
+    CopyWait<0>();
+    __syncthreads();
+    // Pass 1: down the columns.
+    if (kGather && scaled) {
+      if (pair) {
+        pass1(np, True{}, True{}, True{});
+      } else if (even) {
+        pass1(np, True{}, False{}, True{});
+      } else {
+        pass1(np, False{}, False{}, True{});
+      }
+    } else {
+      if (pair) {
+        pass1(np, True{}, True{}, False{});
+      } else if (even) {
+        pass1(np, True{}, False{}, False{});
+      } else {
+        pass1(np, False{}, False{}, False{});
+      }
+    }
+    __syncthreads();
+    if (grp + gridDim.x < groups) copy_in(grp + gridDim.x);
+    // Pass 2: along the rows, into the stage. Adjacent lanes take the same
+    // columns of adjacent rows (q, over the group's planes), whose loads
+    // fall on distinct banks as the rows of tmp are 16 bytes apart modulo
+    // the 128 bytes of the banks (an odd multiple of 16 bytes apart).
+    const int rows2 = g.group * g.out_h, live = np * g.out_h;
+    const int tasks2 = rows2 * g.col_groups;
+    const bool even_out = g.out_w % 2 == 0;
+    for (int t = tid; t < tasks2; t += nthreads) {
+      const int k = g.by_rows2(t), q = t - k * rows2, j0 = k * C;
+      if (q >= live) continue;
+      const Acc* row = tmp + q * g.tmp_w + j0 + g.off_w + g.tmp_a;
+      Acc v[KR];
+#pragma unroll
+      for (int u = 0; u < KR / VA; ++u) {
+        const Vec<Acc, VA> piece =
+            reinterpret_cast<const Vec<Acc, VA>*>(row)[u];
+#pragma unroll
+        for (int e = 0; e < VA; ++e) v[u * VA + e] = piece.v[e];
+      }
+      Acc out[C];
+      SlidingSums<K, C>([&](int u) { return v[u]; }, out);
+      if (!scaled) {
+#pragma unroll
+        for (int b = 0; b < C; ++b) out[b] *= shared.value;
+      } else if (!kGather) {
+        const int i = q - g.by_out_h(q) * g.out_h;
+        const Acc r = rf[i];
+#pragma unroll
+        for (int b = 0; b < C; ++b) out[b] *= r * cf[j0 + b];
+      }
+      T* to = stage_t + q * g.out_w + j0;
+      const int left = g.out_w - j0;
+      if (even_out) {
+        const auto put = [&](int b) {
+          Vec<T, 2> pair;
+          pair.v[0] = N::Store(out[b]);
+          pair.v[1] = N::Store(out[b + 1]);
+          *reinterpret_cast<Vec<T, 2>*>(to + b) = pair;
+        };
+        if (left >= C) {
+#pragma unroll
+          for (int b = 0; b < C; b += 2) put(b);
+        } else {
+#pragma unroll
+          for (int b = 0; b < C; b += 2) {
+            if (b < left) put(b);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int b = 0; b < C; ++b) {
+          if (b < left) to[b] = N::Store(out[b]);
+        }
+      }
+    }
+    __syncthreads();
+    // Copy-out: the group's destination planes are contiguous.
+    unsigned char* out_at =
+        reinterpret_cast<unsigned char*>(dst + grp * g.group * out_plane);
+    const int bytes = static_cast<int>(np * out_plane * sizeof(T));
+    int q = g.out_piece;
+    if (np < g.group) {  // the last group
+      q = 16;
+      while (q > static_cast<int>(sizeof(T)) &&
+             (bytes % q != 0 || reinterpret_cast<uintptr_t>(out_at) % q != 0)) {
+        q /= 2;
+      }
+    }
+    if (q == 16) {
+      CopyOutPieces<16>(stage, out_at, bytes);
+    } else if (q == 8) {
+      CopyOutPieces<8>(stage, out_at, bytes);
+    } else if (q == 4) {
+      CopyOutPieces<4>(stage, out_at, bytes);
+    } else {
+      CopyOutPieces<2>(stage, out_at, bytes);
+    }
+    // The next group's first barrier orders these reads of the stage
+    // before pass 2 writes it again.
+  }
+}
+
+// The geometry of a PlanesNchw call, or false when it does not take it:
+// NCHW, the left and top padding at most K / 2 and the others below K,
+// buffers aligned for pieces of 4 bytes or more, and kPlaneMinGroup planes
+// or more per group in the budget.
+template <typename T, typename S, bool kGather>
+bool PlaneGeometry(const PoolAttrs& a, const PoolShape& s, const void* src,
+                   const void* dst, PlaneGeom& g) {
+  using Acc = typename Num<T>::Acc;
+  constexpr int K = S::KH, G = kPlaneRows<kGather>, C = kPlaneCols<kGather>;
+  constexpr int64_t VA = 16 / static_cast<int>(sizeof(Acc));
+  constexpr int64_t KR = (C + K - 1 + VA - 1) / VA * VA;
+  constexpr int64_t sz = sizeof(T), acc = sizeof(Acc);
+  constexpr int64_t kSmall = 1 << 12;
+  if (a.layout != kNCHW || a.pad_top > K / 2 || a.pad_left > K / 2 ||
+      a.pad_bottom >= K || a.pad_right >= K || s.in_h >= kSmall ||
+      s.in_w >= kSmall || s.out_h < 1 || s.out_w < 1) {
+    return false;
+  }
+  const auto round = [](int64_t n, int64_t m) { return (n + m - 1) / m * m; };
+  const int64_t in_h = kGather ? s.out_h : s.in_h;
+  const int64_t in_w = kGather ? s.out_w : s.in_w;
+  const int64_t out_h = kGather ? s.in_h : s.out_h;
+  const int64_t out_w = kGather ? s.in_w : s.out_w;
+  const int64_t off_h = kGather ? a.pad_top - K + 1 : -a.pad_top;
+  const int64_t off_w = kGather ? a.pad_left - K + 1 : -a.pad_left;
+  const int64_t in_bytes = in_h * in_w * sz;
+  int64_t piece = 16;
+  while (piece >= 4 && (in_bytes % piece != 0 ||
+                        reinterpret_cast<uintptr_t>(src) % piece != 0)) {
+    piece /= 2;
+  }
+  if (piece < 4 || reinterpret_cast<uintptr_t>(dst) % sz != 0) return false;
+  const int64_t pairs = (in_w + 1) / 2;
+  const int64_t row_groups = (out_h + G - 1) / G;
+  const int64_t col_groups = (out_w + C - 1) / C;
+  // Source rows that pass 1 reads: first .. last, in a slot whose row 0
+  // starts 16-byte aligned; one row of slack for the odd-width pairs.
+  const int64_t first = std::min<int64_t>(off_h, 0);
+  const int64_t last =
+      std::max<int64_t>(in_h - 1, row_groups * G - 1 + off_h + K - 1);
+  const int64_t data = round(-first * in_w * sz, 16) / sz;
+  const int64_t slot = round((data + (last + 2) * in_w) * sz, 16) / sz;
+  // tmp: column 0 at tmp_a, with (j0 + off_w + tmp_a) a multiple of VA for
+  // j0 a multiple of C, and a row stride of an odd number of 16 bytes.
+  const int64_t start = round(std::max<int64_t>(off_w, 0), VA);
+  const int64_t tmp_a = start - off_w;
+  const int64_t width =
+      std::max((col_groups - 1) * C + start + KR, tmp_a + in_w);
+  int64_t tmp_w = round(width, VA);
+  while ((tmp_w / VA) % 2 == 0) tmp_w += VA;
+  const int64_t rf_lo = kGather ? first : 0;
+  const int64_t rf_len = kGather ? last - first + 1 : out_h;
+  const int64_t cf_len = round(std::max(pairs * 2, col_groups * C), 4);
+  const auto layout = [&](int64_t p, PlaneGeom& o) {
+    const int64_t tmp_at = p * slot * sz;
+    const int64_t stage_at = tmp_at + round(p * out_h * tmp_w * acc, 16);
+    const int64_t rf_at = stage_at + round(p * out_h * out_w * sz, 16);
+    const int64_t cf_at = rf_at + round(rf_len * acc, 16);
+    const int64_t bytes = cf_at + cf_len * acc;
+    o.tmp_at = static_cast<int>(tmp_at);
+    o.stage_at = static_cast<int>(stage_at);
+    o.rf_at = static_cast<int>(rf_at);
+    o.cf_at = static_cast<int>(cf_at);
+    o.bytes = static_cast<int>(std::min<int64_t>(bytes, INT32_MAX));
+    return bytes;
+  };
+  constexpr int64_t kBudget = kPlaneBudget;
+  constexpr int64_t kMin = kPlaneMinGroup<T, kGather>;
+  int64_t p = kPlaneMaxGroup;
+  while (p >= kMin && layout(p, g) > kBudget) p /= 2;
+  if (p < kMin) return false;
+  g.group = static_cast<int>(p);
+  g.in_h = static_cast<int>(in_h);
+  g.in_w = static_cast<int>(in_w);
+  g.out_h = static_cast<int>(out_h);
+  g.out_w = static_cast<int>(out_w);
+  g.off_h = static_cast<int>(off_h);
+  g.off_w = static_cast<int>(off_w);
+  g.src_slot = static_cast<int>(slot);
+  g.src_data = static_cast<int>(data);
+  g.tmp_w = static_cast<int>(tmp_w);
+  g.tmp_a = static_cast<int>(tmp_a);
+  g.piece = static_cast<int>(piece);
+  g.rf_lo = static_cast<int>(rf_lo);
+  g.rf_len = static_cast<int>(rf_len);
+  g.cf_len = static_cast<int>(cf_len);
+  g.pairs = static_cast<int>(pairs);
+  g.row_groups = static_cast<int>(row_groups);
+  g.col_groups = static_cast<int>(col_groups);
+  g.by_pairs = FastDiv::Of(static_cast<uint32_t>(pairs));
+  g.by_row_groups = FastDiv::Of(static_cast<uint32_t>(row_groups));
+  g.by_rows2 = FastDiv::Of(static_cast<uint32_t>(p * out_h));
+  g.by_out_h = FastDiv::Of(static_cast<uint32_t>(out_h));
+  g.by_pieces = FastDiv::Of(static_cast<uint32_t>(in_bytes / piece));
+  // Whole groups start at multiples of their size from dst.
+  const int64_t out_group = p * out_h * out_w * sz;
+  int64_t out_piece = 16;
+  while (out_piece > sz &&
+         (out_group % out_piece != 0 ||
+          reinterpret_cast<uintptr_t>(dst) % out_piece != 0)) {
+    out_piece /= 2;
+  }
+  g.out_piece = static_cast<int>(out_piece);
+  return true;
+}
+
+template <typename T, typename S, bool kGather>
+bool LaunchPlaneKernel(cudaStream_t stream, const PoolAttrs& a,
+                       const PoolShape& s, const T* src, T* dst,
+                       cudaError_t& err) {
+  using Acc = typename Num<T>::Acc;
+  const SharedFactor<Acc> shared = SharedFactorOf<Acc>(a, s);
+  if (kGather && shared.all) return false;
+  PlaneGeom g;
+  if (!PlaneGeometry<T, S, kGather>(a, s, src, dst, g)) return false;
+  const int64_t planes = s.batch * s.channels;
+  const int64_t groups = (planes + g.group - 1) / g.group;
+  if (groups == 0) {
+    err = cudaSuccess;
+    return true;
+  }
+  const auto kernel = PlanesNchw<T, S, kGather>;
+  int device = 0, sms = 0, per_sm = 0;
+  err = cudaGetDevice(&device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  }
+  if (err == cudaSuccess) {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel,
+                                                        kThreads, g.bytes);
+  }
+  if (err != cudaSuccess) return true;
+  const int64_t resident = std::max<int64_t>(int64_t{sms} * per_sm, 1);
+  const unsigned grid = static_cast<unsigned>(
+      std::min<int64_t>(std::min(groups, resident), INT32_MAX));
+  kernel<<<grid, kThreads, g.bytes, stream>>>(a, s, src, dst, g, shared,
+                                              planes);
+  err = cudaGetLastError();
+  return true;
+}
+
+// Launches PlanesNchw with as many blocks as stay resident together (each
+// loops over groups), or returns false where it does not take the call.
+template <typename T, typename S, bool kGather>
+bool LaunchPlanes(cudaStream_t stream, const PoolAttrs& a, const PoolShape& s,
+                  const T* src, T* dst, cudaError_t& err) {
+  if constexpr (kGather && sizeof(T) != 2) {
+    return false;
+  } else {
+    return LaunchPlaneKernel<T, S, kGather>(stream, a, s, src, dst, err);
+  }
+}
+
 template <typename S>
 int64_t RuntimeKh(const PoolAttrs& a) {
   return S::kGeneric ? a.kernel_h : S::KH;
@@ -1912,6 +2462,10 @@ cudaError_t LaunchForward(cudaStream_t stream, DType dtype, const PoolAttrs& a,
       using S = decltype(spec);
       const int64_t rows = s.batch * s.out_h,
                     groups = Groups(s.out_w, S::BLOCK);
+      if constexpr (PlaneSpec<S>()) {
+        cudaError_t err = cudaSuccess;
+        if (LaunchPlanes<T, S, false>(stream, a, s, in, out, err)) return err;
+      }
       if (RowKernelsFit<T, S>(a, s, x, y)) {
         if constexpr (!S::kGeneric) {
           const int64_t chunks = RowChunks<S>(s);
@@ -2055,6 +2609,10 @@ cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
                         s.batch * s.channels * s.out_h * (s.out_w / U), a, s,
                         in, out);
         }
+      }
+      if constexpr (PlaneSpec<S>()) {
+        cudaError_t err = cudaSuccess;
+        if (LaunchPlanes<T, S, true>(stream, a, s, in, out, err)) return err;
       }
       if (RowKernelsFit<T, S>(a, s, dy, dx)) {
         if constexpr (!S::kGeneric) {

@@ -244,6 +244,40 @@ def test_16bit_nchw_gather_of_tiling_windows_on_gpu(
     np.testing.assert_array_equal(np.asarray(dx), np.asarray(again))
 
 
+def _plane_cases() -> list:
+    """7x7/1 NCHW calls whose planes fit in shared memory (the plane kernel for
+    the forward, and for the 16-bit gathers), in every dtype: 28x28 planes at
+    each padding and divisor rule, fifteen of them so that the last group of
+    planes is partial; odd widths (no aligned pairs of columns); and planes
+    whose bytes are not a multiple of 16 (copied in smaller pieces, or by the
+    row kernels where a 16-bit plane has an odd number of elements)."""
+    params = []
+    shapes = ((3, 5, 28, 28), (2, 3, 14, 15), (1, 7, 9, 9))
+    for i, dtype in enumerate(DTYPES):
+        for pad in range(4):
+            for extra in ({}, {"count_include_pad": False}, {"divisor_override": 11}):
+                shape = shapes[(i + pad) % 3]
+                case = TorchCase(shape, 7, 1, pad, **extra)
+                params.append(pytest.param(case, dtype, id=f"{case}-{dtype_name(dtype)}"))
+    return params
+
+
+@pytest.mark.parametrize(("case", "dtype"), _plane_cases())
+def test_plane_kernel_on_gpu_matches_oracle(
+    case: TorchCase, dtype: np.dtype, gpu: jax.Device, rng: np.random.Generator
+) -> None:
+    """Whole planes in shared memory: forward and gather against the oracle, the
+    gather bitwise repeatable."""
+    x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
+
+    with dtype_mode(dtype):
+        y, dx_gather, _ = _forward_and_gradients(case, *_on(gpu, x, g))
+        again = _forward_and_gradients(case, *_on(gpu, x, g))[1]
+    assert_close(y, case.oracle_forward(x), dtype, "forward")
+    assert_close(dx_gather, case.oracle_vjp(g), dtype, "gather gradient")
+    np.testing.assert_array_equal(np.asarray(dx_gather), np.asarray(again))
+
+
 @pytest.mark.parametrize(("case", "dtype"), _specialised_cases())
 def test_specialised_kernels_on_gpu_match_oracle(
     case: TorchCase, dtype: np.dtype, gpu: jax.Device, rng: np.random.Generator
