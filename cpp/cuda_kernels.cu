@@ -1596,27 +1596,44 @@ constexpr int kBoxAhead = 4;
 constexpr int kBoxBuffers = 4;
 constexpr int kBoxMaxThreads = 512;
 
-// Copies kBytes (4, 8 or 16) from global `from` to shared `to` without
-// passing through registers (zeros when !ok), as one commit group; and
-// waits until at most `kPending` of this thread's groups are in flight.
-template <int kBytes>
-__device__ __forceinline__ void CopyAsync(void* to, const void* from, bool ok) {
+// Starts copying kBytes (4, 8 or 16) from global `from` to shared `to`
+// without passing through registers; with kZeroFill, zeros instead when
+// !ok. CommitCopies makes the copies this thread started since its last
+// commit one group; CopyAsync does both; CopyWait waits until at most
+// `kPending` of this thread's groups are in flight.
+template <int kBytes, bool kZeroFill>
+__device__ __forceinline__ void StartCopy(void* to, const void* from, bool ok) {
 #if __CUDA_ARCH__ >= 800
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(to));
-  if constexpr (kBytes == 16) {
+  if constexpr (kZeroFill && kBytes == 16) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
                  "l"(from), "r"(ok ? 16 : 0));
-  } else {
+  } else if constexpr (kZeroFill) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst),
                  "l"(from), "n"(kBytes), "r"(ok ? kBytes : 0));
+  } else if constexpr (kBytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst),
+                 "l"(from));
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst),
+                 "l"(from), "n"(kBytes));
   }
-  asm volatile("cp.async.commit_group;\n" ::);
 #else
   using Raw = typename RawBits<kBytes>::type;
   Raw raw{};
-  if (ok) raw = *static_cast<const Raw*>(from);
+  if (!kZeroFill || ok) raw = *static_cast<const Raw*>(from);
   *static_cast<Raw*>(to) = raw;
 #endif
+}
+__device__ __forceinline__ void CommitCopies() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int kBytes>
+__device__ __forceinline__ void CopyAsync(void* to, const void* from, bool ok) {
+  StartCopy<kBytes, true>(to, from, ok);
+  CommitCopies();
 }
 template <int kPending>
 __device__ __forceinline__ void CopyWait() {
@@ -2060,25 +2077,6 @@ __device__ __forceinline__ void CopyOutPieces(const unsigned char* from,
   }
 }
 
-// Starts copying Q bytes from global `from` to shared `to`, both aligned,
-// without a commit.
-template <int Q>
-__device__ __forceinline__ void StartCopy(void* to, const void* from) {
-#if __CUDA_ARCH__ >= 800
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(to));
-  if constexpr (Q == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst),
-                 "l"(from));
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst),
-                 "l"(from), "n"(Q));
-  }
-#else
-  using Raw = typename RawBits<Q>::type;
-  *static_cast<Raw*>(to) = *static_cast<const Raw*>(from);
-#endif
-}
-
 // Copies np planes of `per` Q-byte pieces each from global `from`
 // (contiguous) into their slots in shared memory, as one commit group.
 template <int Q>
@@ -2088,11 +2086,10 @@ __device__ __forceinline__ void CopyInPlanes(unsigned char* slots,
                                              FastDiv by_per, int np) {
   for (int i = threadIdx.x; i < np * per; i += blockDim.x) {
     const int p = by_per(i);
-    StartCopy<Q>(slots + p * slot_bytes + (i - p * per) * Q, from + i * Q);
+    StartCopy<Q, false>(slots + p * slot_bytes + (i - p * per) * Q,
+                        from + i * Q, true);
   }
-#if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::);
-#endif
+  CommitCopies();
 }
 
 template <typename T, typename S, bool kGather>
