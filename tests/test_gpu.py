@@ -292,3 +292,43 @@ def test_specialised_kernels_on_gpu_match_oracle(
     assert_close(dx_gather, case.oracle_vjp(g), dtype, "gather gradient")
     assert_close(dx_scatter, case.oracle_vjp(g), dtype, "scatter gradient")
     np.testing.assert_array_equal(np.asarray(dx_gather), np.asarray(again))
+
+
+def _scatter_tile_cases() -> list:
+    """Scatters whose shared-memory tiles take the paths that small tensors do
+    not (shapes in NCHW order): several planes a tile (from 2048 planes on),
+    the last group of planes partial; bands of rows in tall planes; chunks of
+    columns in wide rows; NHWC channel slices. Strided windows and float32
+    tiles of whole planes prefetch their dx lines into L2 (as one range, one
+    per plane, one per row or one per position), the rest do not."""
+    configs = (
+        ((5, 461, 9, 10), 3, 2, 1, {}),
+        ((3, 700, 28, 28), 7, 1, 0, {}),
+        ((3, 700, 28, 28), 7, 1, 3, {"count_include_pad": False}),
+        ((1, 2, 600, 20), 3, 2, 0, {}),
+        ((1, 2, 600, 20), 3, 1, 1, {"divisor_override": 7}),
+        ((1, 3, 40, 1000), 2, 2, 0, {"ceil_mode": True}),
+        ((2, 96, 14, 15), 3, 2, 1, {"layout": "NHWC"}),
+        ((2, 40, 30, 17), 7, 1, 2, {"layout": "NHWC", "count_include_pad": False}),
+    )
+    params = []
+    for i, (shape, k, s, pad, extra) in enumerate(configs):
+        for dtype in dict.fromkeys((DTYPES[i % 4], F32)):
+            case = TorchCase(shape, k, s, pad, **extra)
+            params.append(pytest.param(case, dtype, id=f"{case}-{dtype_name(dtype)}"))
+    return params
+
+
+@pytest.mark.parametrize(("case", "dtype"), _scatter_tile_cases())
+def test_scatter_tiles_on_gpu_match_oracle(
+    case: TorchCase, dtype: np.dtype, gpu: jax.Device, rng: np.random.Generator
+) -> None:
+    """The scatter's tiles, with and without prefetching, against the oracle."""
+    x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
+
+    def pull(x, g):
+        return jax.vjp(functools.partial(avg_pool2d, **case.kwargs("scatter")), x)[1](g)[0]
+
+    with dtype_mode(dtype):
+        dx = jax.jit(pull)(*_on(gpu, x, g))
+    assert_close(dx, case.oracle_vjp(g), dtype, "scatter gradient")
