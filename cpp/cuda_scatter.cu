@@ -459,6 +459,23 @@ __device__ __forceinline__ A* DynamicShared() {
   return reinterpret_cast<A*>(scatter_shared);
 }
 
+// The value of type V at p (aligned to sizeof(V)), read with one load of
+// its width: a vector of 16-bit elements read as it is declared takes one
+// load per element.
+template <typename V>
+__device__ __forceinline__ V LoadRaw(const void* p) {
+  static_assert(sizeof(V) == 2 || sizeof(V) == 4 || sizeof(V) == 8 ||
+                sizeof(V) == 16);
+  using Word = std::conditional_t<
+      sizeof(V) == 2, unsigned short,
+      std::conditional_t<sizeof(V) == 4, unsigned int,
+                         std::conditional_t<sizeof(V) == 8, uint2, uint4>>>;
+  const Word w = *static_cast<const Word*>(p);
+  V v;
+  memcpy(&v, &w, sizeof(V));
+  return v;
+}
+
 // Asks L2 to fetch the target elements a tile will add to, ahead of its
 // atomics: nr ranges of len elements, range k = (image pl, row hi, position
 // wi) in (np, nh, nwp) starting at base + pl * image_stride + hi * row_stride
@@ -726,8 +743,22 @@ __global__ void __launch_bounds__(kThreads, kTileBlocks)
               AxisCount(oh0 + r, kh, sh, g.pad_top, g.clip_top, g.clip_bottom));
           const Acc d = fixed ? fixed_divisor : rf * cf;
           VecA v;
+          if constexpr (V == 1) {
+            v.v[0] = N::Load(raw.v[0]) / d;
+          } else {
+            // The V channels share the divisor: one division for its
+            // reciprocal y, then each quotient q = x * y corrected once by
+            // the exact residual x - q * d (Markstein), which rounds as x / d
+            // does away from the subnormal range.
+            static_assert(std::is_same_v<Acc, float>);
+            const float y = 1.0f / d;
 #pragma unroll
-          for (int e = 0; e < V; ++e) v.v[e] = N::Load(raw.v[e]) / d;
+            for (int e = 0; e < V; ++e) {
+              const float x = N::Load(raw.v[e]);
+              const float q = x * y;
+              v.v[e] = __fmaf_rn(__fmaf_rn(-q, d, x), y, q);
+            }
+          }
           StoreVec(slot, v);
         };
         const auto next_row = [&](int& r) {
@@ -749,7 +780,7 @@ __global__ void __launch_bounds__(kThreads, kTileBlocks)
           WaitCopies();
           Acc* slot = col + s1_row0 * g_row;
           for (int i = s1_row0, r = r0; i < rows; i += g.s1_rows) {
-            divide(*reinterpret_cast<const VecT*>(slot), slot, r);
+            divide(LoadRaw<VecT>(slot), slot, r);
             slot += slot_step;
             next_row(r);
           }
