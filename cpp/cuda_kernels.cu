@@ -15,9 +15,12 @@
 //   windows wider than 3 at stride 1 sum along W through shared memory,
 //   see "the box filter"); of a block of rows for the others.
 // - NCHW planes in shared memory, for stride-1 windows of 5 and more (7x7/1)
-//   on planes small enough that a few fit in a block's shared memory: the
-//   forward, and the 16-bit gathers, as two separable passes; see "whole
-//   planes in shared memory".
+//   on planes small enough that a few fit in a block's shared memory. Where
+//   every window shares one divisor and the rows allow, a lane per strip of
+//   four columns walks down its plane with its sums in registers (the 16-bit
+//   forwards, the 16-bit and float32 gathers; see "strips of registers");
+//   else the forward, and the 16-bit gathers, as two separable passes
+//   through shared memory (see "whole planes in shared memory").
 // - Direct NCHW kernels for every other call: grid-stride loops over BLOCK
 //   adjacent outputs or inputs along W, and a shared-memory tiled gather for
 //   heavily overlapping generic windows.
@@ -1050,8 +1053,8 @@ __global__ void __launch_bounds__(kThreads)
       } else {
 #pragma unroll
         for (int b = 0; b < B; ++b) {
-          q[t][b] = N::Load(
-              LoadOrZero<T, 1>(grow + b, ok && ow0 + b < OW).v[0]);
+          q[t][b] =
+              N::Load(LoadOrZero<T, 1>(grow + b, ok && ow0 + b < OW).v[0]);
         }
       }
     }
@@ -1158,17 +1161,16 @@ __global__ void __launch_bounds__(kThreads)
 //   4). 3x3/2: 4, or 8 for 16-bit types (79 against 83 us).
 template <typename T, typename S, int PIECE>
 constexpr int kRowsPerItem =
-    S::SH != 1                       ? 2
-    : PIECE == 2 && sizeof(T) == 2   ? 8
-    : PIECE == 2 && sizeof(T) == 4   ? (S::KH <= 3 ? 8 : 6)
-    : S::KH <= 3 && sizeof(T) == 4   ? 8
-                                     : 4;
+    S::SH != 1                     ? 2
+    : PIECE == 2 && sizeof(T) == 2 ? 8
+    : PIECE == 2 && sizeof(T) == 4 ? (S::KH <= 3 ? 8 : 6)
+    : S::KH <= 3 && sizeof(T) == 4 ? 8
+                                   : 4;
 template <typename T, typename S>
-constexpr int kGatherRowsPerItem =
-    S::KH >= 5    ? 2 * S::KH
-    : S::SH == 1  ? (sizeof(T) == 2 ? 8 : 6)
-    : S::KH == 2  ? (sizeof(T) == 2 ? 4 : 2)
-                  : (sizeof(T) == 2 ? 8 : 4);
+constexpr int kGatherRowsPerItem = S::KH >= 5   ? 2 * S::KH
+                                   : S::SH == 1 ? (sizeof(T) == 2 ? 8 : 6)
+                                   : S::KH == 2 ? (sizeof(T) == 2 ? 4 : 2)
+                                                : (sizeof(T) == 2 ? 8 : 4);
 
 // Calls fn(std::integral_constant<int, e>) with the phase of a gather's
 // first covering window along an axis of window K, stride ST and leading
@@ -2438,6 +2440,364 @@ bool LaunchPlanes(cudaStream_t stream, const PoolAttrs& a, const PoolShape& s,
   }
 }
 
+// ---------------------------------------------------------------------------
+// NCHW, stride 1, K x K windows (7x7/1) on planes of at most 32 rows and
+// 32 strips; strips of registers: a lane per strip of kStripCols adjacent
+// destination columns of one plane, walking down the plane with its sums in
+// registers. The forward and the gather are the box filter of PlanesNchw
+// (destination (i, j) sums source rows i + off_h .. i + off_h + K - 1 and
+// columns j + off_w .. j + off_w + K - 1, zero outside the source), here only
+// where every window shares one divisor, which multiplies each destination sum.
+// A warp takes `per_warp` consecutive planes, one contiguous range of the
+// source, and copies them into its own part of shared memory (cp.async, in the
+// largest pieces the range allows). Per source row a lane then loads the
+// kStripCols + K - 1 source columns under its strip (in aligned pairs where
+// the rows and offsets allow), sums them along W into its kStripCols window
+// sums, and keeps those of the last K - 1 + kStripRows rows; every
+// kStripRows rows it sums them down H into kStripRows destination rows,
+// which it stores. Rows outside the source are skipped by a branch that
+// every lane takes alike, and steps whose rows are all inside take no
+// checks. No barrier but the warp's own, no shuffle, and per output the
+// additions of sliding sums in the two directions: PlanesNchw spends most
+// of its instructions moving values through shared memory between its two
+// passes, and waits at the block's barriers between them; the row kernels
+// shuffle the columns of 16-byte chunks too narrow for these rows.
+//
+// Where it is taken (StripsTake), against the kernels it replaces, on the
+// H200 (CUDA events, us, 64x512 planes of 28x28 unless said): gather,
+// bfloat16 26.8 against 47.2, float16 28.2 against 47.7, float32 48.6
+// against 51.3 (with padding 2, 53.7 against 56.1); bfloat16 forward with
+// padding 1 35.7 against 46.1 and with padding 3 33.3 against 50.2; 14x14
+// planes 9.3 against 16.5 (forward) and 33.7 against 117 (gather). Not
+// taken, as slower (most on the kernel's first forms, which took 1.2-1.4
+// times as long as this one): the forward of 22-wide rows, whose stores
+// then go in pairs (32.6 for PlanesNchw against 37.4 with the pairs
+// realigned by a shuffle for 8-byte stores, 41.7 staged through shared
+// memory and copied out whole, 56.8 stored in pairs); gathers whose source
+// columns do not pair up (padding 1: 46.7 against 42.4); 56x56 planes
+// (16x512, padding 3: 62-66 against 42-59); float32 forwards (60-79
+// against 47-59) and float64. Tried, not kept: loading the source straight
+// from global memory instead of shared (bfloat16 forward 78.6, gather
+// 56.7: the lanes of five planes reach five places of memory per
+// instruction); the rows outside the source loaded as predicated-off zeros
+// rather than skipped (gather 43.4 against 36.7 then); steps of six rows
+// over two halves of the row sums that swap roles, so that no sums move
+// between registers (gather 28.5 against 26.8: 80 registers, spilling in
+// some forms).
+constexpr int kStripCols = 4;
+constexpr int kStripRows = 4;
+constexpr int kStripThreads = 128;
+constexpr int kStripWarpBytes = 48 * 1024 / (kStripThreads / 32);
+constexpr int kStripMaxRows = 32;
+// Blocks per multiprocessor StripsNchw is compiled for: without it, ptxas
+// held the paired kernels to 64 registers and spilled.
+constexpr int kStripBlocks = 6;
+
+struct StripGeom {
+  int in_h, in_w, out_h, out_w;  // a source and a destination plane
+  int off_h, off_w;              // as in PlaneGeom
+  int lanes;                     // strips per plane
+  int per_warp;                  // planes per warp
+  int slot;        // bytes per plane in shared memory: the plane's, or 4 more
+  int warp_bytes;  // shared memory per warp, a multiple of 16
+  int in_q;        // bytes per piece of a plane-by-plane copy in
+  int store;       // stores whole strips (2), aligned pairs (1) or elements
+};
+
+template <int Q>
+__device__ __forceinline__ void CopyPiece(unsigned char* to,
+                                          const unsigned char* from) {
+  using Raw = typename RawBits<Q>::type;
+  *reinterpret_cast<Raw*>(to) = *reinterpret_cast<const Raw*>(from);
+}
+
+template <typename T, typename S, bool kPairs, bool kWhole>
+__global__ void __launch_bounds__(kStripThreads, kStripBlocks)
+    StripsNchw(const T* __restrict__ src, T* __restrict__ dst,
+               const StripGeom g, const typename Num<T>::Acc value,
+               const int64_t planes) {
+  using N = Num<T>;
+  using Acc = typename N::Acc;
+  constexpr int K = S::KH, B = kStripCols, G = kStripRows;
+  constexpr int NC = B + K - 1;  // source columns under a strip
+  constexpr int NR = G + K - 1;  // source rows under a step's G rows
+  constexpr int sz = static_cast<int>(sizeof(T));
+  static_assert(!kPairs || NC % 2 == 0);
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int64_t warp =
+      (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t p0 = warp * g.per_warp;
+  if (p0 >= planes) return;
+  const int np =
+      static_cast<int>(min(static_cast<int64_t>(g.per_warp), planes - p0));
+  unsigned char* mine = smem + (threadIdx.x >> 5) * g.warp_bytes;
+  const int in_bytes = g.in_h * g.in_w * sz;
+  {
+    const unsigned char* from = reinterpret_cast<const unsigned char*>(src) +
+                                p0 * static_cast<int64_t>(in_bytes);
+    // Pieces of Q bytes: over the whole range where the slots are the
+    // planes themselves (g.slot == in_bytes), else plane by plane.
+    const auto copy = [&](auto q) {
+      constexpr int Q = decltype(q)::value;
+      if (g.slot == in_bytes) {
+        for (int i = lane * Q; i < np * in_bytes; i += 32 * Q) {
+          if constexpr (Q >= 4) {
+            StartCopy<Q, false>(mine + i, from + i, true);
+          } else {
+            CopyPiece<Q>(mine + i, from + i);
+          }
+        }
+      } else {
+        for (int k = 0; k < np; ++k) {
+          for (int i = lane * Q; i < in_bytes; i += 32 * Q) {
+            if constexpr (Q >= 4) {
+              StartCopy<Q, false>(mine + k * g.slot + i,
+                                  from + k * in_bytes + i, true);
+            } else {
+              CopyPiece<Q>(mine + k * g.slot + i, from + k * in_bytes + i);
+            }
+          }
+        }
+      }
+    };
+    const int fit =
+        g.slot == in_bytes
+            ? (np * in_bytes) |
+                  static_cast<int>(reinterpret_cast<uintptr_t>(from) & 15)
+            : g.in_q;
+    if (fit % 16 == 0) {
+      copy(std::integral_constant<int, 16>{});
+    } else if (fit % 8 == 0) {
+      copy(std::integral_constant<int, 8>{});
+    } else if (fit % 4 == 0) {
+      copy(std::integral_constant<int, 4>{});
+    } else {
+      copy(std::integral_constant<int, 2>{});
+    }
+    CommitCopies();
+    CopyWait<0>();
+    __syncwarp();
+  }
+  const int pw = lane / g.lanes, strip = lane - pw * g.lanes;
+  if (pw >= np) return;
+  const T* sp = reinterpret_cast<const T*>(mine + pw * g.slot);
+  T* dp = dst + (p0 + pw) * static_cast<int64_t>(g.out_h * g.out_w);
+  const int j0 = strip * B, c0 = j0 + g.off_w;
+  // Which source columns exist (pairs: both or neither, as in_w and c0 are
+  // even).
+  bool cok[NC];
+#pragma unroll
+  for (int u = 0; u < NC; ++u) cok[u] = c0 + u >= 0 && c0 + u < g.in_w;
+  // The window sums along W of source row r (zeros outside the source).
+  // kInside: the row is known to be inside the source.
+  const auto row_sums = [&](int r, Acc(&h)[B], auto inside) {
+    if (!decltype(inside)::value && (r < 0 || r >= g.in_h)) {
+      // The same for every lane.
+#pragma unroll
+      for (int b = 0; b < B; ++b) h[b] = Acc(0);
+      return;
+    }
+    const T* at = sp + r * g.in_w + c0;
+    Acc v[NC];
+    if constexpr (kPairs) {
+#pragma unroll
+      for (int q = 0; q < NC / 2; ++q) {
+        if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+          // Both halves widen by bit moves, from the raw word.
+          const unsigned bits =
+              cok[2 * q] ? *reinterpret_cast<const unsigned*>(at + 2 * q) : 0u;
+          v[2 * q] = __uint_as_float(bits << 16);
+          v[2 * q + 1] = __uint_as_float(bits & 0xffff0000u);
+        } else {
+          const Vec<T, 2> two = LoadOrZero<T, 2>(at + 2 * q, cok[2 * q]);
+          v[2 * q] = N::Load(two.v[0]);
+          v[2 * q + 1] = N::Load(two.v[1]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < NC; ++u) {
+        v[u] = N::Load(LoadOrZero<T, 1>(at + u, cok[u]).v[0]);
+      }
+    }
+    SlidingSums<K, B>([&](int u) { return v[u]; }, h);
+  };
+  const bool whole = j0 + B <= g.out_w;
+  const auto put = [&](int i, Acc(&o)[B]) {
+#pragma unroll
+    for (int b = 0; b < B; ++b) o[b] *= value;
+    T* at = dp + i * g.out_w + j0;
+    if (kWhole || (whole && g.store == 2)) {
+      Vec<T, B> all;
+#pragma unroll
+      for (int b = 0; b < B; ++b) all.v[b] = N::Store(o[b]);
+      *reinterpret_cast<Vec<T, B>*>(at) = all;
+    } else if (whole && g.store == 1) {
+#pragma unroll
+      for (int b = 0; b < B; b += 2) {
+        Vec<T, 2> two;
+        two.v[0] = N::Store(o[b]);
+        two.v[1] = N::Store(o[b + 1]);
+        *reinterpret_cast<Vec<T, 2>*>(at + b) = two;
+      }
+    } else {
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        if (j0 + b < g.out_w) at[b] = N::Store(o[b]);
+      }
+    }
+  };
+  using Inside = std::true_type;
+  using Checked = std::false_type;
+  Acc h[NR][B];
+#pragma unroll
+  for (int u = 0; u < K - 1; ++u) row_sums(g.off_h + u, h[u], Checked{});
+  for (int i0 = 0; i0 < g.out_h; i0 += G) {
+    // The step's G new source rows, without the checks where all of them
+    // are inside the source.
+    const int r0 = g.off_h + i0 + K - 1;
+    if (r0 >= 0 && r0 + G <= g.in_h) {
+#pragma unroll
+      for (int u = 0; u < G; ++u) row_sums(r0 + u, h[K - 1 + u], Inside{});
+    } else {
+#pragma unroll
+      for (int u = 0; u < G; ++u) row_sums(r0 + u, h[K - 1 + u], Checked{});
+    }
+    Acc o[G][B];
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      Acc col[G];
+      SlidingSums<K, G>([&](int u) { return h[u][b]; }, col);
+#pragma unroll
+      for (int t = 0; t < G; ++t) o[t][b] = col[t];
+    }
+    if (i0 + G <= g.out_h) {
+#pragma unroll
+      for (int t = 0; t < G; ++t) put(i0 + t, o[t]);
+    } else {
+#pragma unroll
+      for (int t = 0; t < G; ++t) {
+        if (i0 + t < g.out_h) put(i0 + t, o[t]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < K - 1; ++u) {
+#pragma unroll
+      for (int b = 0; b < B; ++b) h[u][b] = h[u + G][b];
+    }
+  }
+}
+
+// The largest piece, of 16 bytes or fewer and at least `element`, that
+// divides `bytes` and the alignment of `p`.
+inline int PieceOf(int64_t bytes, const void* p, int64_t element) {
+  int64_t q = 16;
+  while (q > element &&
+         (bytes % q != 0 || reinterpret_cast<uintptr_t>(p) % q != 0)) {
+    q /= 2;
+  }
+  return static_cast<int>(q);
+}
+
+// Whether a StripsNchw call loads its source columns in aligned pairs: rows
+// and column offsets of even length (slots start 16-byte aligned).
+inline bool StripPairs(const StripGeom& g) {
+  return g.in_w % 2 == 0 && g.off_w % 2 == 0;
+}
+
+// The geometry of a StripsNchw call, and whether it takes it (see above):
+// NCHW, windows that share one divisor, the left and top padding at most
+// K / 2 and the others below K, planes of at most kStripMaxRows rows and 32
+// strips whose slot fits a warp's share of shared memory; 16-bit forwards
+// whose destination rows take whole-strip stores; 16-bit and float32
+// gathers whose source columns pair up.
+template <typename T, typename S, bool kGather>
+bool StripsTake(const PoolAttrs& a, const PoolShape& s, const void* src,
+                const void* dst, bool shared, StripGeom& g) {
+  constexpr int K = S::KH;
+  constexpr int64_t sz = sizeof(T);
+  if (!shared || (sz == 4 && !kGather) || a.layout != kNCHW ||
+      a.pad_top > K / 2 || a.pad_left > K / 2 || a.pad_bottom >= K ||
+      a.pad_right >= K || s.out_h < 1 || s.out_w < 1 ||
+      s.in_h > kStripMaxRows || s.in_w > 32 * kStripCols + K ||
+      reinterpret_cast<uintptr_t>(src) % sz != 0 ||
+      reinterpret_cast<uintptr_t>(dst) % sz != 0) {
+    return false;
+  }
+  const int64_t in_h = kGather ? s.out_h : s.in_h;
+  const int64_t in_w = kGather ? s.out_w : s.in_w;
+  const int64_t out_h = kGather ? s.in_h : s.out_h;
+  const int64_t out_w = kGather ? s.in_w : s.out_w;
+  const int64_t off_w = kGather ? a.pad_left - K + 1 : -a.pad_left;
+  const int64_t lanes = (out_w + kStripCols - 1) / kStripCols;
+  // Slots hold planes of whole pairs of 16-bit elements, 4-byte aligned.
+  const int64_t slot = (in_h * in_w * sz + 3) / 4 * 4;
+  const int64_t per_warp =
+      std::min<int64_t>(32 / lanes, (kStripWarpBytes - 12) / slot);
+  if (lanes > 32 || per_warp < 1) return false;
+  g.in_h = static_cast<int>(in_h);
+  g.in_w = static_cast<int>(in_w);
+  g.out_h = static_cast<int>(out_h);
+  g.out_w = static_cast<int>(out_w);
+  g.off_h = static_cast<int>(kGather ? a.pad_top - K + 1 : -a.pad_top);
+  g.off_w = static_cast<int>(off_w);
+  g.lanes = static_cast<int>(lanes);
+  g.per_warp = static_cast<int>(per_warp);
+  g.slot = static_cast<int>(slot);
+  g.warp_bytes = static_cast<int>((per_warp * slot + 15) / 16 * 16);
+  g.in_q = PieceOf(in_h * in_w * sz, src, sz);
+  const auto aligned = [&](int64_t n) {
+    return reinterpret_cast<uintptr_t>(dst) % (n * sz) == 0;
+  };
+  g.store = out_w % kStripCols == 0 && aligned(kStripCols) ? 2
+            : out_w % 2 == 0 && aligned(2)                 ? 1
+                                                           : 0;
+  if (kGather) return StripPairs(g);
+  return g.store == 2;
+}
+
+// Launches StripsNchw where StripsTake takes the call; false elsewhere.
+template <typename T, typename S, bool kGather>
+bool LaunchStrips(cudaStream_t stream, const PoolAttrs& a, const PoolShape& s,
+                  const T* src, T* dst, cudaError_t& err) {
+  using Acc = typename Num<T>::Acc;
+  if constexpr (sizeof(T) == 8) {
+    return false;
+  } else {
+    const SharedFactor<Acc> shared = SharedFactorOf<Acc>(a, s);
+    StripGeom g;
+    if (!StripsTake<T, S, kGather>(a, s, src, dst, shared.all, g)) {
+      return false;
+    }
+    const int64_t planes = s.batch * s.channels;
+    const int64_t warps = (planes + g.per_warp - 1) / g.per_warp;
+    if (warps == 0) {
+      err = cudaSuccess;
+      return true;
+    }
+    constexpr int64_t kWarps = kStripThreads / 32;
+    const int64_t blocks =
+        std::min<int64_t>((warps + kWarps - 1) / kWarps, INT32_MAX);
+    const int bytes = static_cast<int>(kWarps * g.warp_bytes);
+    const auto launch = [&](auto pairs, auto whole) {
+      StripsNchw<T, S, decltype(pairs)::value, decltype(whole)::value>
+          <<<static_cast<unsigned>(blocks), kStripThreads, bytes, stream>>>(
+              src, dst, g, shared.value, planes);
+    };
+    using True = std::true_type;
+    using False = std::false_type;
+    // kWhole: every strip is whole and stored as one vector.
+    if (g.store == 2) {
+      StripPairs(g) ? launch(True{}, True{}) : launch(False{}, True{});
+    } else {
+      StripPairs(g) ? launch(True{}, False{}) : launch(False{}, False{});
+    }
+    err = cudaGetLastError();
+    return true;
+  }
+}
+
 template <typename S>
 int64_t RuntimeKh(const PoolAttrs& a) {
   return S::kGeneric ? a.kernel_h : S::KH;
@@ -2461,6 +2821,7 @@ cudaError_t LaunchForward(cudaStream_t stream, DType dtype, const PoolAttrs& a,
                     groups = Groups(s.out_w, S::BLOCK);
       if constexpr (PlaneSpec<S>()) {
         cudaError_t err = cudaSuccess;
+        if (LaunchStrips<T, S, false>(stream, a, s, in, out, err)) return err;
         if (LaunchPlanes<T, S, false>(stream, a, s, in, out, err)) return err;
       }
       if (RowKernelsFit<T, S>(a, s, x, y)) {
@@ -2609,6 +2970,7 @@ cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
       }
       if constexpr (PlaneSpec<S>()) {
         cudaError_t err = cudaSuccess;
+        if (LaunchStrips<T, S, true>(stream, a, s, in, out, err)) return err;
         if (LaunchPlanes<T, S, true>(stream, a, s, in, out, err)) return err;
       }
       if (RowKernelsFit<T, S>(a, s, dy, dx)) {

@@ -278,6 +278,55 @@ def test_plane_kernel_on_gpu_matches_oracle(
     np.testing.assert_array_equal(np.asarray(dx_gather), np.asarray(again))
 
 
+def _strip_cases() -> list:
+    """7x7/1 NCHW calls that the strip kernel takes (planes of at most 32 rows
+    and 32 strips of four columns, windows sharing one divisor): 16-bit
+    forwards whose output rows are whole strips, 16-bit and float32 gathers
+    whose dy columns pair up (the other dtypes and directions go to the other
+    kernels). The number of planes is not a multiple of the planes a warp
+    takes; plane sizes give copies in pieces of 16, 8 and 4 bytes; one gather
+    has 32 strips a plane, one forward 31; 32-row planes; and the calls just
+    past its limits (33 rows, 33 strips, unpaired columns, divisors per
+    window), which go to the other kernels."""
+    params = []
+    calls = (
+        ((2, 9, 28, 28), 0, {}),  # gather: 22-wide dy in pairs
+        ((2, 9, 28, 28), 1, {}),  # forward: 24-wide rows
+        ((2, 9, 28, 28), 2, {}),  # gather: odd offsets, even rows
+        ((2, 9, 28, 28), 3, {}),  # forward and gather: 28-wide rows
+        ((2, 9, 28, 28), 3, {"divisor_override": 11}),
+        ((2, 9, 28, 28), 3, {"count_include_pad": False}),
+        ((1, 37, 14, 14), 0, {}),
+        ((2, 5, 13, 14), 0, {}),
+        ((3, 5, 20, 130), 0, {}),  # forward: 124 outputs, 31 strips
+        ((1, 3, 12, 128), 0, {}),  # gather: 128 inputs, 32 strips
+        ((1, 3, 12, 134), 0, {}),  # 33 strips
+        ((2, 6, 32, 32), 0, {}),
+        ((1, 4, 33, 32), 0, {}),
+    )
+    for dtype in DTYPES:
+        for shape, pad, extra in calls:
+            case = TorchCase(shape, 7, 1, pad, **extra)
+            params.append(pytest.param(case, dtype, id=f"{case}-{dtype_name(dtype)}"))
+    return params
+
+
+@pytest.mark.parametrize(("case", "dtype"), _strip_cases())
+def test_strip_kernel_on_gpu_matches_oracle(
+    case: TorchCase, dtype: np.dtype, gpu: jax.Device, rng: np.random.Generator
+) -> None:
+    """Strips of registers down small planes: forward and gather against the
+    oracle, the gather bitwise repeatable."""
+    x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
+
+    with dtype_mode(dtype):
+        y, dx_gather, _ = _forward_and_gradients(case, *_on(gpu, x, g))
+        again = _forward_and_gradients(case, *_on(gpu, x, g))[1]
+    assert_close(y, case.oracle_forward(x), dtype, "forward")
+    assert_close(dx_gather, case.oracle_vjp(g), dtype, "gather gradient")
+    np.testing.assert_array_equal(np.asarray(dx_gather), np.asarray(again))
+
+
 @pytest.mark.parametrize(("case", "dtype"), _specialised_cases())
 def test_specialised_kernels_on_gpu_match_oracle(
     case: TorchCase, dtype: np.dtype, gpu: jax.Device, rng: np.random.Generator
