@@ -244,6 +244,20 @@ def test_16bit_nchw_gather_of_tiling_windows_on_gpu(
     np.testing.assert_array_equal(np.asarray(dx), np.asarray(again))
 
 
+def _check_forward_and_gather(
+    case: TorchCase, dtype: np.dtype, gpu: jax.Device, rng: np.random.Generator
+) -> None:
+    """Forward and gather against the oracle, the gather bitwise repeatable."""
+    x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
+
+    with dtype_mode(dtype):
+        y, dx_gather, _ = _forward_and_gradients(case, *_on(gpu, x, g))
+        again = _forward_and_gradients(case, *_on(gpu, x, g))[1]
+    assert_close(y, case.oracle_forward(x), dtype, "forward")
+    assert_close(dx_gather, case.oracle_vjp(g), dtype, "gather gradient")
+    np.testing.assert_array_equal(np.asarray(dx_gather), np.asarray(again))
+
+
 def _plane_cases() -> list:
     """7x7/1 NCHW calls whose planes fit in shared memory (the plane kernel for
     the forward, and for the 16-bit gathers), in every dtype: 28x28 planes at
@@ -268,14 +282,7 @@ def test_plane_kernel_on_gpu_matches_oracle(
 ) -> None:
     """Whole planes in shared memory: forward and gather against the oracle, the
     gather bitwise repeatable."""
-    x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
-
-    with dtype_mode(dtype):
-        y, dx_gather, _ = _forward_and_gradients(case, *_on(gpu, x, g))
-        again = _forward_and_gradients(case, *_on(gpu, x, g))[1]
-    assert_close(y, case.oracle_forward(x), dtype, "forward")
-    assert_close(dx_gather, case.oracle_vjp(g), dtype, "gather gradient")
-    np.testing.assert_array_equal(np.asarray(dx_gather), np.asarray(again))
+    _check_forward_and_gather(case, dtype, gpu, rng)
 
 
 def _strip_cases() -> list:
@@ -317,14 +324,7 @@ def test_strip_kernel_on_gpu_matches_oracle(
 ) -> None:
     """Strips of registers down small planes: forward and gather against the
     oracle, the gather bitwise repeatable."""
-    x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
-
-    with dtype_mode(dtype):
-        y, dx_gather, _ = _forward_and_gradients(case, *_on(gpu, x, g))
-        again = _forward_and_gradients(case, *_on(gpu, x, g))[1]
-    assert_close(y, case.oracle_forward(x), dtype, "forward")
-    assert_close(dx_gather, case.oracle_vjp(g), dtype, "gather gradient")
-    np.testing.assert_array_equal(np.asarray(dx_gather), np.asarray(again))
+    _check_forward_and_gather(case, dtype, gpu, rng)
 
 
 @pytest.mark.parametrize(("case", "dtype"), _specialised_cases())
