@@ -2798,6 +2798,244 @@ bool LaunchStrips(cudaStream_t stream, const PoolAttrs& a, const PoolShape& s,
   }
 }
 
+// ---------------------------------------------------------------------------
+// NCHW gather of windows of stride 2 (3x3/2, 2x2/2) on small planes, in
+// strips of registers as StripsNchw: a warp copies `per_warp` consecutive dy
+// planes, one contiguous range, into its own part of shared memory, and
+// walks down them, a lane per strip of 16 bytes of dx columns of one plane
+// and per parity of dx rows. With stride 2 and windows of at most 3, dx row
+// h lies in the windows of dy row floor((h + pad_top) / 2) and, for K = 3
+// and h + pad_top even, of the row above it; likewise for the columns. So
+// per step a lane loads the dy columns under its strip in one dy row (C / 2
+// + 1 or C / 2 of them, for the strip's C columns), multiplies them by the
+// divisor that every window shares, adds the previous step's row where its
+// dx row needs both, sums along W, and stores its strip of one dx row. The
+// lanes of the two parities store two adjacent rows, and one store
+// instruction writes both: 16-bit rows of 56 (the 3x3/2 gather on 56x56
+// planes) are 112 bytes, and a lane per strip and row would leave every
+// other 32-byte sector in two halves, written by two instructions. Rows
+// that no window covers come out zero. A few instructions per dx element,
+// against the row kernels' division per work item, 64-bit addressing per dy
+// row and loads of single elements from the odd-length 16-bit dy rows of
+// the usual shapes. The sums are the row kernels', in the same order, and
+// the divisor theirs, so the results are bitwise theirs.
+//
+// Where it is taken (HalfStripsTake, LaunchBackwardGather), on the H200
+// (CUDA events, us, 128x256 planes of 56x56 unless said), against the row
+// kernels: bfloat16 71.3 against 79.3, with padding 1 72.2 against 78.6
+// (float16 as bfloat16); 40x90 planes of 45x56 9.5 against 10.9. Left to
+// the row kernels where they take the call: float32 (140.5 against 132.6;
+// 2x2/2 139.9 against 130.3). Where they do not (rows not a multiple of
+// their chunks), it replaces the one-thread-per-element kernel: float32
+// 2x2/2 on 30x28 planes 5.1 against 9.7. Tried, not kept: a lane per strip
+// storing all the rows of its strip, each dy row loaded once (91.0: the
+// half sectors, and 1.7 waves of longer warps).
+
+// The dy columns under a strip of C dx columns whose first column w0 is
+// even, with pad_left PL: w0 / 2 + kFirst .. w0 / 2 + kFirst + kCount - 1;
+// dx column w0 + c lies in the windows of columns w0 / 2 + First(c) .. w0 /
+// 2 + Last(c).
+template <int K, int PL, int C>
+struct HalfCols {
+  static constexpr int First(int c) { return CeilDiv(c + PL - K + 1, 2); }
+  static constexpr int Last(int c) { return FloorDiv(c + PL, 2); }
+  static constexpr int kFirst = First(0);
+  static constexpr int kCount = Last(C - 1) - kFirst + 1;
+};
+
+struct HalfGeom {
+  int in_h, in_w;    // a dy plane
+  int out_h, out_w;  // a dx plane
+  int pad_top;
+  int lanes;       // strips per dx row
+  int per_warp;    // planes per warp
+  int warp_bytes;  // shared memory per warp, a multiple of 16
+};
+
+template <typename T, int K, int PL>
+__global__ void __launch_bounds__(kStripThreads, kStripBlocks)
+    HalfStripsNchw(const T* __restrict__ dy, T* __restrict__ dx,
+                   const HalfGeom g, const typename Num<T>::Acc value,
+                   const int64_t planes) {
+  using N = Num<T>;
+  using Acc = typename N::Acc;
+  constexpr int C = 16 / static_cast<int>(sizeof(T));
+  using Cols = HalfCols<K, PL, C>;
+  constexpr int NC = Cols::kCount;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int64_t warp =
+      (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t p0 = warp * g.per_warp;
+  if (p0 >= planes) return;
+  const int np =
+      static_cast<int>(min(static_cast<int64_t>(g.per_warp), planes - p0));
+  unsigned char* mine = smem + (threadIdx.x >> 5) * g.warp_bytes;
+  const int in_bytes = g.in_h * g.in_w * static_cast<int>(sizeof(T));
+  // The range in 16-byte pieces from the aligned address at or below its
+  // start (dy is 16-byte aligned), and the elements after the last whole
+  // piece one by one. The 16 bytes before it in shared memory are read by
+  // the first strips of the first plane and ignored, as are those after it.
+  const unsigned char* from = reinterpret_cast<const unsigned char*>(dy) +
+                              p0 * static_cast<int64_t>(in_bytes);
+  const int lead = static_cast<int>(reinterpret_cast<uintptr_t>(from) & 15);
+  const int span = lead + np * in_bytes, whole = span & ~15;
+  for (int i = lane * 16; i < whole; i += 32 * 16) {
+    StartCopy<16, false>(mine + 16 + i, from - lead + i, true);
+  }
+  CommitCopies();
+  const int tail = whole + lane * static_cast<int>(sizeof(T));
+  if (tail < span) {
+    *reinterpret_cast<T*>(mine + 16 + tail) =
+        *reinterpret_cast<const T*>(from - lead + tail);
+  }
+  CopyWait<0>();
+  __syncwarp();
+  // Lane (plane pw, parity e, strip).
+  const int pw = lane / (2 * g.lanes), within = lane - pw * 2 * g.lanes;
+  if (pw >= np) return;
+  const int e = within >= g.lanes ? 1 : 0;
+  const int strip = within - e * g.lanes;
+  const int n0 = strip * (C / 2) + Cols::kFirst;  // first dy column
+  const T* col =
+      reinterpret_cast<const T*>(mine + 16 + lead) + pw * g.in_h * g.in_w + n0;
+  bool cok[NC];  // which of the strip's dy columns exist
+#pragma unroll
+  for (int u = 0; u < NC; ++u) cok[u] = n0 + u >= 0 && n0 + u < g.in_w;
+  T* const plane = dx + (p0 + pw) * static_cast<int64_t>(g.out_h) * g.out_w;
+  // Dx rows 2j - b + e at step j: pairs that start on a 32-byte boundary
+  // where rows are 16 bytes off one (b = 1 where row 0 is).
+  const int b =
+      g.out_w * static_cast<int>(sizeof(T)) % 32 == 16
+          ? static_cast<int>((reinterpret_cast<uintptr_t>(plane) >> 4) & 1)
+          : 0;
+  const int t = e - b + g.pad_top;          // in [-1, 2]
+  const int d = (t + 2) / 2 - 1;            // the step's dy row is j + d
+  const bool two = K == 3 && (t & 1) == 0;  // and the one above it
+  // dy row m under the strip divided by the shared divisor; zeros for the
+  // rows outside dy.
+  const auto load = [&](int m, Acc(&v)[NC]) {
+    if (m < 0 || m >= g.in_h) {
+#pragma unroll
+      for (int u = 0; u < NC; ++u) v[u] = Acc(0);
+      return;
+    }
+    const T* at = col + m * g.in_w;
+#pragma unroll
+    for (int u = 0; u < NC; ++u) {
+      const Acc x = N::Load(at[u]) * value;
+      v[u] = cok[u] ? x : Acc(0);
+    }
+  };
+  Acc prev[NC];
+  load(d - 1, prev);
+  T* out = plane + static_cast<int64_t>(e - b) * g.out_w + strip * C;
+  const int64_t step = 2 * static_cast<int64_t>(g.out_w);
+  const int steps = (g.out_h + b + 1) / 2;
+  // Four steps unrolled (bfloat16: 71.3 us, against 72.3 for two and 74.2
+  // for none).
+#pragma unroll 4
+  for (int j = 0; j < steps; ++j, out += step) {
+    Acc cur[NC];
+    load(j + d, cur);
+    const int h = 2 * j - b + e;
+    if (h >= 0 && h < g.out_h) {
+      Acc v[NC];
+#pragma unroll
+      for (int u = 0; u < NC; ++u) v[u] = two ? prev[u] + cur[u] : cur[u];
+      // For each column, the sum of the dy columns whose windows hold it.
+      Vec<T, C> o;
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+        Acc sum = v[Cols::First(c) - Cols::kFirst];
+#pragma unroll
+        for (int n = Cols::First(c) + 1; n <= Cols::Last(c); ++n) {
+          sum += v[n - Cols::kFirst];
+        }
+        o.v[c] = N::Store(sum);
+      }
+      *reinterpret_cast<Vec<T, C>*>(out) = o;
+    }
+#pragma unroll
+    for (int u = 0; u < NC; ++u) prev[u] = cur[u];
+  }
+}
+
+// The specialisations that take it: square windows of 2 or 3, stride 2.
+template <typename S>
+constexpr bool HalfSpec() {
+  if constexpr (S::kGeneric) {
+    return false;
+  } else {
+    return S::SH == 2 && S::SW == 2 && S::KH == S::KW &&
+           (S::KH == 2 || S::KH == 3);
+  }
+}
+
+// The geometry of a HalfStripsNchw call, and whether it takes it: NCHW,
+// windows that share one divisor, the top and left padding at most K / 2
+// (as every PyTorch padding), dx rows of whole 16-byte strips, at most 16
+// of them (two lanes each), a dy plane that fits a warp's share of shared
+// memory, both buffers 16-byte aligned; not float64.
+template <typename T, typename S>
+bool HalfStripsTake(const PoolAttrs& a, const PoolShape& s, const void* dy,
+                    const void* dx, bool shared, HalfGeom& g) {
+  constexpr int64_t sz = sizeof(T), C = 16 / sz, K = S::KH;
+  const auto aligned = [](const void* p) {
+    return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+  };
+  if (!shared || sz > 4 || a.layout != kNCHW || a.pad_top > K / 2 ||
+      a.pad_left > K / 2 || s.out_h < 1 || s.out_w < 1 || s.in_w % C != 0 ||
+      s.in_w / C > 16 || !aligned(dy) || !aligned(dx)) {
+    return false;
+  }
+  const int64_t in_bytes = s.out_h * s.out_w * sz;
+  const int64_t lanes = s.in_w / C;
+  // Room for the 16 bytes before the range, its lead (up to 15 bytes) and
+  // the element read after it, in whole 16 bytes.
+  const int64_t per_warp =
+      std::min<int64_t>(16 / lanes, (kStripWarpBytes - 64) / in_bytes);
+  if (per_warp < 1 || s.in_h > INT32_MAX / 2) return false;
+  g.in_h = static_cast<int>(s.out_h);
+  g.in_w = static_cast<int>(s.out_w);
+  g.out_h = static_cast<int>(s.in_h);
+  g.out_w = static_cast<int>(s.in_w);
+  g.pad_top = static_cast<int>(a.pad_top);
+  g.lanes = static_cast<int>(lanes);
+  g.per_warp = static_cast<int>(per_warp);
+  g.warp_bytes = static_cast<int>((per_warp * in_bytes + 63) / 16 * 16);
+  return true;
+}
+
+// Launches HalfStripsNchw where HalfStripsTake takes the call; false
+// elsewhere.
+template <typename T, typename S>
+bool LaunchHalfStrips(cudaStream_t stream, const PoolAttrs& a,
+                      const PoolShape& s, const T* dy, T* dx,
+                      cudaError_t& err) {
+  using Acc = typename Num<T>::Acc;
+  const SharedFactor<Acc> shared = SharedFactorOf<Acc>(a, s);
+  HalfGeom g;
+  if (!HalfStripsTake<T, S>(a, s, dy, dx, shared.all, g)) return false;
+  const int64_t planes = s.batch * s.channels;
+  const int64_t warps = (planes + g.per_warp - 1) / g.per_warp;
+  if (warps == 0) {
+    err = cudaSuccess;
+    return true;
+  }
+  constexpr int64_t kWarps = kStripThreads / 32;
+  const int64_t blocks =
+      std::min<int64_t>((warps + kWarps - 1) / kWarps, INT32_MAX);
+  const int bytes = static_cast<int>(kWarps * g.warp_bytes);
+  err = WithPadLeft<S::KW / 2>(a.pad_left, [&](auto pl) {
+    HalfStripsNchw<T, S::KH, decltype(pl)::value>
+        <<<static_cast<unsigned>(blocks), kStripThreads, bytes, stream>>>(
+            dy, dx, g, shared.value, planes);
+    return cudaGetLastError();
+  });
+  return true;
+}
+
 template <typename S>
 int64_t RuntimeKh(const PoolAttrs& a) {
   return S::kGeneric ? a.kernel_h : S::KH;
@@ -2972,6 +3210,15 @@ cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
         cudaError_t err = cudaSuccess;
         if (LaunchStrips<T, S, true>(stream, a, s, in, out, err)) return err;
         if (LaunchPlanes<T, S, true>(stream, a, s, in, out, err)) return err;
+      }
+      if constexpr (HalfSpec<S>() && sizeof(T) <= 4) {
+        // float32 only where the row kernels do not take the call (see
+        // HalfStripsNchw).
+        cudaError_t err = cudaSuccess;
+        if ((sizeof(T) == 2 || !RowKernelsFit<T, S>(a, s, dy, dx)) &&
+            LaunchHalfStrips<T, S>(stream, a, s, in, out, err)) {
+          return err;
+        }
       }
       if (RowKernelsFit<T, S>(a, s, dy, dx)) {
         if constexpr (!S::kGeneric) {

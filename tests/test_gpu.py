@@ -327,6 +327,48 @@ def test_strip_kernel_on_gpu_matches_oracle(
     _check_forward_and_gather(case, dtype, gpu, rng)
 
 
+def _half_strip_cases() -> list:
+    """3x3/2 and 2x2/2 NCHW gathers that the stride-2 strip kernel takes (16-bit
+    dtypes, and float32 where the row kernels do not: rows not a multiple of
+    their chunks; windows sharing one divisor; dx rows of whole 16-byte strips,
+    at most 16 of them; a dy plane within a warp's shared memory): 56x56 planes
+    in pairs per warp, unpadded and padded; odd plane heights, whose row pairs
+    start on odd rows in every other plane; a dy range ending off a 16-byte
+    boundary; 16 strips a row; the largest dy plane that fits; and the calls
+    just past its limits (17 strips, a dy plane too large, divisors per window),
+    which go to the other kernels. Forwards of the same calls take the usual
+    kernels."""
+    calls = (
+        ((2, 9, 56, 56), 3, 0, {}),
+        ((2, 9, 56, 56), 3, 1, {}),
+        ((1, 7, 45, 56), 3, 0, {}),
+        ((1, 7, 45, 56), 3, 1, {"divisor_override": 5}),
+        ((3, 5, 21, 24), 3, 1, {}),
+        ((2, 3, 40, 128), 3, 1, {}),  # 16 strips of 16-bit columns
+        ((2, 3, 40, 136), 3, 0, {}),  # 17 strips
+        ((1, 2, 150, 128), 3, 1, {}),  # 16-bit dy planes of 9600 bytes
+        ((1, 2, 200, 128), 3, 1, {}),  # 12800 bytes
+        ((2, 5, 30, 28), 3, 1, {"count_include_pad": False}),
+        ((2, 5, 41, 24), 2, 1, {}),
+        ((2, 5, 30, 28), 2, 0, {}),  # float32: 28 is not a multiple of 8
+    )
+    params = []
+    for dtype in DTYPES:
+        for shape, k, pad, extra in calls:
+            case = TorchCase(shape, k, 2, pad, **extra)
+            params.append(pytest.param(case, dtype, id=f"{case}-{dtype_name(dtype)}"))
+    return params
+
+
+@pytest.mark.parametrize(("case", "dtype"), _half_strip_cases())
+def test_stride2_strip_kernel_on_gpu_matches_oracle(
+    case: TorchCase, dtype: np.dtype, gpu: jax.Device, rng: np.random.Generator
+) -> None:
+    """Strips of registers down small planes for stride-2 gathers: forward and
+    gather against the oracle, the gather bitwise repeatable."""
+    _check_forward_and_gather(case, dtype, gpu, rng)
+
+
 @pytest.mark.parametrize(("case", "dtype"), _specialised_cases())
 def test_specialised_kernels_on_gpu_match_oracle(
     case: TorchCase, dtype: np.dtype, gpu: jax.Device, rng: np.random.Generator
