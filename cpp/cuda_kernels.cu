@@ -2823,7 +2823,7 @@ bool LaunchStrips(cudaStream_t stream, const PoolAttrs& a, const PoolShape& s,
 // Where it is taken (HalfStripsTake, LaunchBackwardGather), on the H200
 // (CUDA events, us, 128x256 planes of 56x56 unless said), against the row
 // kernels: bfloat16 71.3 against 79.3, with padding 1 72.2 against 78.6
-// (float16 as bfloat16); 40x90 planes of 45x56 9.5 against 10.9. Left to
+// (float16 as bfloat16); 50x100 planes of 48x40 9.8 against 13.4. Left to
 // the row kernels where they take the call: float32 (140.5 against 132.6;
 // 2x2/2 139.9 against 130.3). Where they do not (rows not a multiple of
 // their chunks), it replaces the one-thread-per-element kernel: float32
