@@ -2757,6 +2757,23 @@ bool StripsTake(const PoolAttrs& a, const PoolShape& s, const void* src,
   return g.store == 2;
 }
 
+// The grid of StripsNchw and HalfStripsNchw, whose warps each take
+// `per_warp` consecutive planes and warp_bytes of shared memory: false where
+// it would take more blocks than a grid holds (the caller then leaves the
+// call to the other kernels).
+struct StripGrid {
+  int64_t blocks;  // 0 where there are no planes
+  int bytes;       // shared memory per block
+};
+inline bool StripGridOf(int64_t planes, int per_warp, int warp_bytes,
+                        StripGrid& grid) {
+  constexpr int64_t kWarps = kStripThreads / 32;
+  const int64_t warps = (planes + per_warp - 1) / per_warp;
+  grid.blocks = (warps + kWarps - 1) / kWarps;
+  grid.bytes = static_cast<int>(kWarps * warp_bytes);
+  return grid.blocks <= INT32_MAX;
+}
+
 // Launches StripsNchw where StripsTake takes the call; false elsewhere.
 template <typename T, typename S, bool kGather>
 bool LaunchStrips(cudaStream_t stream, const PoolAttrs& a, const PoolShape& s,
@@ -2771,19 +2788,14 @@ bool LaunchStrips(cudaStream_t stream, const PoolAttrs& a, const PoolShape& s,
       return false;
     }
     const int64_t planes = s.batch * s.channels;
-    const int64_t warps = (planes + g.per_warp - 1) / g.per_warp;
-    if (warps == 0) {
-      err = cudaSuccess;
-      return true;
-    }
-    constexpr int64_t kWarps = kStripThreads / 32;
-    const int64_t blocks =
-        std::min<int64_t>((warps + kWarps - 1) / kWarps, INT32_MAX);
-    const int bytes = static_cast<int>(kWarps * g.warp_bytes);
+    StripGrid grid;
+    if (!StripGridOf(planes, g.per_warp, g.warp_bytes, grid)) return false;
+    err = cudaSuccess;
+    if (grid.blocks == 0) return true;
     const auto launch = [&](auto pairs, auto whole) {
       StripsNchw<T, S, decltype(pairs)::value, decltype(whole)::value>
-          <<<static_cast<unsigned>(blocks), kStripThreads, bytes, stream>>>(
-              src, dst, g, shared.value, planes);
+          <<<static_cast<unsigned>(grid.blocks), kStripThreads, grid.bytes,
+             stream>>>(src, dst, g, shared.value, planes);
     };
     using True = std::true_type;
     using False = std::false_type;
@@ -3018,19 +3030,14 @@ bool LaunchHalfStrips(cudaStream_t stream, const PoolAttrs& a,
   HalfGeom g;
   if (!HalfStripsTake<T, S>(a, s, dy, dx, shared.all, g)) return false;
   const int64_t planes = s.batch * s.channels;
-  const int64_t warps = (planes + g.per_warp - 1) / g.per_warp;
-  if (warps == 0) {
-    err = cudaSuccess;
-    return true;
-  }
-  constexpr int64_t kWarps = kStripThreads / 32;
-  const int64_t blocks =
-      std::min<int64_t>((warps + kWarps - 1) / kWarps, INT32_MAX);
-  const int bytes = static_cast<int>(kWarps * g.warp_bytes);
+  StripGrid grid;
+  if (!StripGridOf(planes, g.per_warp, g.warp_bytes, grid)) return false;
+  err = cudaSuccess;
+  if (grid.blocks == 0) return true;
   err = WithPadLeft<S::KW / 2>(a.pad_left, [&](auto pl) {
     HalfStripsNchw<T, S::KH, decltype(pl)::value>
-        <<<static_cast<unsigned>(blocks), kStripThreads, bytes, stream>>>(
-            dy, dx, g, shared.value, planes);
+        <<<static_cast<unsigned>(grid.blocks), kStripThreads, grid.bytes,
+           stream>>>(dy, dx, g, shared.value, planes);
     return cudaGetLastError();
   });
   return true;
