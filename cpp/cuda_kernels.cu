@@ -560,16 +560,20 @@ __global__ void __launch_bounds__(kThreads, kNhwcGatherBlocks<T, S>)
     }
     Acc acc[R][B][V];
     FillZero(acc);
+    // dy row oh_lo + t starts at row + t * OW * C, its columns C apart (the
+    // pointers of rows and columns outside dy are never read).
+    const T* row = image + (oh_lo * OW + ow_lo) * C;
 #pragma unroll
-    for (int t = 0; t < NT; ++t) {
+    for (int t = 0; t < NT; ++t, row += OW * C) {
       const int64_t oh = oh_lo + t;
       const bool row_ok = oh >= 0 && oh < OH;
       Acc q[NU][V];  // dy / column factor
+      const T* at = row;
 #pragma unroll
-      for (int u = 0; u < NU; ++u) {
+      for (int u = 0; u < NU; ++u, at += C) {
         const int64_t ow = ow_lo + u;
         const bool ok = row_ok && ow >= 0 && ow < OW;
-        const VecT v = LoadOrZero<T, V>(image + (oh * OW + ow) * C, ok);
+        const VecT v = LoadOrZero<T, V>(at, ok);
 #pragma unroll
         for (int e = 0; e < V; ++e) q[u][e] = N::Load(v.v[e]) * wf[u];
       }
@@ -1461,19 +1465,26 @@ __global__ void __launch_bounds__(kThreads, kNhwcSlideBlocks<T, S>)
     }
     Acc acc[NS][B][V];
     const int nr = (nout - 1) * SS + KH;  // source rows under the segment
+    // Which source columns exist; source row top + r starts at row + r *
+    // src_w * C, its columns C apart (the pointers of rows and columns
+    // outside the source are never read).
+    bool cok[NCOL];
+#pragma unroll
+    for (int j = 0; j < NCOL; ++j) cok[j] = c0 + j >= 0 && c0 + j < src_w;
+    const int64_t row_step = src_w * C;
+    const T* row = image + (top * src_w + c0) * C;
     for (int base = 0; base < nr; base += P) {
 #pragma unroll
-      for (int k = 0; k < P; ++k) {
+      for (int k = 0; k < P; ++k, row += row_step) {
         const int r = base + k;
         if (r >= nr) break;
         const int64_t h = top + r;
         const bool row_ok = h >= 0 && h < src_h;
         Acc col[NCOL][V];
+        const T* at = row;
 #pragma unroll
-        for (int j = 0; j < NCOL; ++j) {
-          const int64_t c = c0 + j;
-          const bool ok = row_ok && c >= 0 && c < src_w;
-          const VecT v = LoadOrZero<T, V>(image + (h * src_w + c) * C, ok);
+        for (int j = 0; j < NCOL; ++j, at += C) {
+          const VecT v = LoadOrZero<T, V>(at, row_ok && cok[j]);
 #pragma unroll
           for (int e = 0; e < V; ++e) {
             col[j][e] = kGather ? N::Load(v.v[e]) * wf[j] : N::Load(v.v[e]);
