@@ -1402,9 +1402,9 @@ cudaError_t LaunchTiled(void (*kernel)(KArgs...), cudaStream_t stream,
 // against 131 (float32) and 75 against 80 (bfloat16).
 //
 // B is NhwcSlideBlock (kernel_spec.h): the Spec's four for the forward of
-// 3-column windows in float32; two for the 16-bit 3x3/2 (75 against 89 us
-// with four) and for the gather, which measured faster with two (float32
-// 3x3/1: 227 against 233 us; bfloat16 146 against 158). Windows wider
+// 3-column windows in float32; one for the 16-bit 3x3/2 (below); two for
+// the gather, which measured faster with two (float32 3x3/1: 227 against
+// 233 us; bfloat16 146 against 158). Windows wider
 // than 3 take BoxNhwc below when their channels fill vectors, and one
 // column per item here when they do not (so that the kernel id's BLOCK
 // holds for both; their KH rows of four columns overflow the registers).
@@ -1412,10 +1412,26 @@ cudaError_t LaunchTiled(void (*kernel)(KArgs...), cudaStream_t stream,
 // Blocks per multiprocessor it is compiled for: two for the float32 7x7/1
 // and 3x3/2, which then take 128 registers (the 7x7/1 spills a few bytes)
 // and measured faster than uncapped at 136 and 140 (forward 78 against
-// 97 us and 123 against 151); 0 leaves the others to the compiler.
+// 97 us and 123 against 151); four for the 16-bit 3x3/2, whose items of
+// eight channels and one column then take 64 registers; 0 leaves the
+// others to the compiler. Its walk down a segment loads one source row at
+// a time and waits for it (a tiny call takes about a DRAM round trip per
+// row), so what keeps the memory busy is the number of items in flight.
+// On the H200 (bfloat16 3x3/2, 128x56x56x256, CUDA events, us): one column
+// an item at four blocks 66.6-66.9, with padding 1 69.9-70.1, against two
+// columns at two blocks 72.0-72.3 and 74.6-74.9 (and 74.8-75.1 and
+// 77.3-77.9 when each load's address was computed from its row and column
+// rather than stepped from the last); one column at three blocks 93.2-93.6,
+// uncapped (70 registers) 95.3-95.6; four channels and two columns at four
+// blocks 69.5-69.6, at three 99.0-99.2; segments of 14 rows instead of 27,
+// 69.8-70.2 with the first. Tried, not kept: blocks of 32 to 128 threads
+// (the same as 256); loading the next rows into registers before summing
+// a row (one row ahead: 101, the registers doubled) or prefetching them
+// into L1 or L2 (71.3 to 102).
 template <typename T, typename S>
-constexpr int kNhwcSlideBlocks =
-    (S::KH > 3 || S::SH > 1) && sizeof(T) == 4 ? 2 : 0;
+constexpr int kNhwcSlideBlocks = (S::KH > 3 || S::SH > 1) && sizeof(T) == 4 ? 2
+                                 : S::SH > 1 && sizeof(T) == 2              ? 4
+                                                                            : 0;
 
 template <typename T, typename S, int V, int B, bool kGather>
 __global__ void __launch_bounds__(kThreads, kNhwcSlideBlocks<T, S>)

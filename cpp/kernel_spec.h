@@ -77,16 +77,15 @@ constexpr bool NhwcBox() {
 
 // Adjacent columns per work item of the sliding kernels, for elements of
 // `bytes` bytes: one for windows wider than 3 columns at stride 1, which
-// sum along W through shared memory with a thread per column; two for the
-// other gathers and for 16-bit strided windows, whose accumulators would
+// sum along W through shared memory with a thread per column, and for
+// 16-bit strided windows, whose items then fit four blocks per
+// multiprocessor; two for the other gathers, whose accumulators would
 // otherwise overflow the registers or measured slower; the Spec's BLOCK
 // for the others.
 template <typename S>
 constexpr int NhwcSlideBlock(Op op, int bytes) {
-  if (NhwcBox<S>()) return 1;
-  return op == Op::kBackwardGather || S::KW > 3 || (S::SW > 1 && bytes == 2)
-             ? 2
-             : S::BLOCK;
+  if (NhwcBox<S>() || (S::SW > 1 && bytes == 2)) return 1;
+  return op == Op::kBackwardGather || S::KW > 3 ? 2 : S::BLOCK;
 }
 
 // The BLOCK of the kernel that op launches for layout and elements of
