@@ -1620,7 +1620,10 @@ inline int SlideRows(int64_t dst_h) {
 // 16-byte vectors for 16-bit types (whose eight accumulators per column
 // spill: 50-56 against 45 us); caps of 56 and of 128 registers instead of
 // 64 (55-63 and 60-71 us; with 16-byte bfloat16 vectors at 128 registers,
-// 52.4 / 69.7).
+// 52.4 / 69.7); for 16-bit types, a warp per tile of one image and eight
+// channels in shared memory, its lanes walking strips of registers as
+// StripsNchw's (55-67 / 68-76 us: 23% occupancy, and each warp's walk
+// serial after its copy).
 constexpr int kBoxAhead = 4;
 constexpr int kBoxBuffers = 4;
 constexpr int kBoxMaxThreads = 512;
@@ -2500,7 +2503,8 @@ bool LaunchPlanes(cudaStream_t stream, const PoolAttrs& a, const PoolShape& s,
 // times as long as this one): the forward of 22-wide rows, whose stores
 // then go in pairs (32.6 for PlanesNchw against 37.4 with the pairs
 // realigned by a shuffle for 8-byte stores, 41.7 staged through shared
-// memory and copied out whole, 56.8 stored in pairs); gathers whose source
+// memory and copied out whole, 56.8 stored in pairs; 55.0-55.2 on this
+// form, in pairs or one element at a time); gathers whose source
 // columns do not pair up (padding 1: 46.7 against 42.4); 56x56 planes
 // (16x512, padding 3: 62-66 against 42-59); float32 forwards (60-79
 // against 47-59) and float64. Tried, not kept: loading the source straight
@@ -2510,7 +2514,9 @@ bool LaunchPlanes(cudaStream_t stream, const PoolAttrs& a, const PoolShape& s,
 // rather than skipped (gather 43.4 against 36.7 then); steps of six rows
 // over two halves of the row sums that swap roles, so that no sums move
 // between registers (gather 28.5 against 26.8: 80 registers, spilling in
-// some forms).
+// some forms); as many blocks as stay resident, each warp looping over its
+// groups with two buffers, the next group's copy in flight while it sums
+// one (gather 30.4-30.9 against 27.2-27.5).
 constexpr int kStripCols = 4;
 constexpr int kStripRows = 4;
 constexpr int kStripThreads = 128;
