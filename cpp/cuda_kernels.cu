@@ -1623,7 +1623,9 @@ inline int SlideRows(int64_t dst_h) {
 // 52.4 / 69.7); for 16-bit types, a warp per tile of one image and eight
 // channels in shared memory, its lanes walking strips of registers as
 // StripsNchw's (55-67 / 68-76 us: 23% occupancy, and each warp's walk
-// serial after its copy).
+// serial after its copy); the sums on the tensor cores (mma.sync with a
+// 0/1 matrix, exact for 16-bit operands), from whole tiles or from a ring
+// of rows in shared memory (46 / 52 us at best; BENCHMARKS.md).
 constexpr int kBoxAhead = 4;
 constexpr int kBoxBuffers = 4;
 constexpr int kBoxMaxThreads = 512;
@@ -1971,7 +1973,9 @@ cudaError_t LaunchSlideNhwc(cudaStream_t stream, const PoolAttrs& a,
 // rows and columns around the source planes in shared memory are cleared
 // once, as nothing writes them again. The next group's copy is issued as
 // soon as pass 1 is done with the source planes, so it overlaps pass 2 and
-// the copy-out; the grid keeps every block resident.
+// the copy-out; the grid keeps every block resident. The same sums on the
+// tensor cores (mma.sync with a 0/1 matrix, 16 planes a block) measured
+// slower for the bfloat16 7x7/1 (37.9 against 33.1 us; BENCHMARKS.md).
 
 // Destination rows per thread of pass 1 and destination columns per thread
 // of pass 2: for 7x7/1 on 28x28 planes, whole multiples of the forward's 22
