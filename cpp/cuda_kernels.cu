@@ -2527,24 +2527,19 @@ constexpr int kStripThreads = 128;
 constexpr int kStripWarpBytes = 48 * 1024 / (kStripThreads / 32);
 constexpr int kStripMaxRows = 32;
 // The planes of the calling warp in StripsNchw and HalfStripsNchw: warp w
-// of the grid takes the `per_warp` consecutive planes from w * per_warp
-// (np of them, fewer at the end) and its own warp_bytes of shared memory;
-// false for the warps past the last plane.
-struct WarpPlanes {
-  int64_t p0;
-  int np;
-  unsigned char* mine;
-};
+// of the grid takes the `per_warp` consecutive planes from p0 = w * per_warp
+// (np of them, fewer at the end) and its own warp_bytes of shared memory
+// (`mine`); false for the warps past the last plane.
 __device__ __forceinline__ bool WarpPlanesOf(int per_warp, int warp_bytes,
                                              int64_t planes,
-                                             unsigned char* smem,
-                                             WarpPlanes& w) {
+                                             unsigned char* smem, int64_t& p0,
+                                             int& np, unsigned char*& mine) {
   const int64_t warp =
       (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  w.p0 = warp * per_warp;
-  if (w.p0 >= planes) return false;
-  w.np = static_cast<int>(min(static_cast<int64_t>(per_warp), planes - w.p0));
-  w.mine = smem + (threadIdx.x >> 5) * warp_bytes;
+  p0 = warp * per_warp;
+  if (p0 >= planes) return false;
+  np = static_cast<int>(min(static_cast<int64_t>(per_warp), planes - p0));
+  mine = smem + (threadIdx.x >> 5) * warp_bytes;
   return true;
 }
 
@@ -2584,11 +2579,12 @@ __global__ void __launch_bounds__(kStripThreads, kStripBlocks)
   static_assert(!kPairs || NC % 2 == 0);
   extern __shared__ __align__(16) unsigned char smem[];
   const int lane = static_cast<int>(threadIdx.x & 31);
-  WarpPlanes own;
-  if (!WarpPlanesOf(g.per_warp, g.warp_bytes, planes, smem, own)) return;
-  const int64_t p0 = own.p0;
-  const int np = own.np;
-  unsigned char* const mine = own.mine;
+  int64_t p0;
+  int np;
+  unsigned char* mine;
+  if (!WarpPlanesOf(g.per_warp, g.warp_bytes, planes, smem, p0, np, mine)) {
+    return;
+  }
   const int in_bytes = g.in_h * g.in_w * sz;
   {
     const unsigned char* from = reinterpret_cast<const unsigned char*>(src) +
@@ -2933,11 +2929,12 @@ __global__ void __launch_bounds__(kStripThreads, kStripBlocks)
   constexpr int NC = Cols::kCount;
   extern __shared__ __align__(16) unsigned char smem[];
   const int lane = static_cast<int>(threadIdx.x & 31);
-  WarpPlanes own;
-  if (!WarpPlanesOf(g.per_warp, g.warp_bytes, planes, smem, own)) return;
-  const int64_t p0 = own.p0;
-  const int np = own.np;
-  unsigned char* const mine = own.mine;
+  int64_t p0;
+  int np;
+  unsigned char* mine;
+  if (!WarpPlanesOf(g.per_warp, g.warp_bytes, planes, smem, p0, np, mine)) {
+    return;
+  }
   const int in_bytes = g.in_h * g.in_w * static_cast<int>(sizeof(T));
   // The range in 16-byte pieces from the aligned address at or below its
   // start (dy is 16-byte aligned), and the elements after the last whole
