@@ -2526,20 +2526,22 @@ constexpr int kStripRows = 4;
 constexpr int kStripThreads = 128;
 constexpr int kStripWarpBytes = 48 * 1024 / (kStripThreads / 32);
 constexpr int kStripMaxRows = 32;
-// The planes of the calling warp in StripsNchw and HalfStripsNchw: warp w
-// of the grid takes the `per_warp` consecutive planes from p0 = w * per_warp
-// (np of them, fewer at the end) and its own warp_bytes of shared memory
-// (`mine`); false for the warps past the last plane.
-__device__ __forceinline__ bool WarpPlanesOf(int per_warp, int warp_bytes,
-                                             int64_t planes,
-                                             unsigned char* smem, int64_t& p0,
-                                             int& np, unsigned char*& mine) {
+// The planes of the calling warp in StripsNchw and HalfStripsNchw, whose
+// geometry g gives per_warp and warp_bytes: warp w of the grid takes the
+// per_warp consecutive planes from p0 = w * per_warp (np of them, fewer at
+// the end) and its own warp_bytes of the block's shared memory (`mine`);
+// false for the warps past the last plane.
+template <typename Geom>
+__device__ __forceinline__ bool WarpPlanesOf(const Geom& g, int64_t planes,
+                                             int64_t& p0, int& np,
+                                             unsigned char*& mine) {
+  extern __shared__ __align__(16) unsigned char smem[];
   const int64_t warp =
       (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  p0 = warp * per_warp;
+  p0 = warp * g.per_warp;
   if (p0 >= planes) return false;
-  np = static_cast<int>(min(static_cast<int64_t>(per_warp), planes - p0));
-  mine = smem + (threadIdx.x >> 5) * warp_bytes;
+  np = static_cast<int>(min(static_cast<int64_t>(g.per_warp), planes - p0));
+  mine = smem + (threadIdx.x >> 5) * g.warp_bytes;
   return true;
 }
 
@@ -2577,14 +2579,11 @@ __global__ void __launch_bounds__(kStripThreads, kStripBlocks)
   constexpr int NR = G + K - 1;  // source rows under a step's G rows
   constexpr int sz = static_cast<int>(sizeof(T));
   static_assert(!kPairs || NC % 2 == 0);
-  extern __shared__ __align__(16) unsigned char smem[];
   const int lane = static_cast<int>(threadIdx.x & 31);
   int64_t p0;
   int np;
   unsigned char* mine;
-  if (!WarpPlanesOf(g.per_warp, g.warp_bytes, planes, smem, p0, np, mine)) {
-    return;
-  }
+  if (!WarpPlanesOf(g, planes, p0, np, mine)) return;
   const int in_bytes = g.in_h * g.in_w * sz;
   {
     const unsigned char* from = reinterpret_cast<const unsigned char*>(src) +
@@ -2927,14 +2926,11 @@ __global__ void __launch_bounds__(kStripThreads, kStripBlocks)
   constexpr int C = 16 / static_cast<int>(sizeof(T));
   using Cols = HalfCols<K, PL, C>;
   constexpr int NC = Cols::kCount;
-  extern __shared__ __align__(16) unsigned char smem[];
   const int lane = static_cast<int>(threadIdx.x & 31);
   int64_t p0;
   int np;
   unsigned char* mine;
-  if (!WarpPlanesOf(g.per_warp, g.warp_bytes, planes, smem, p0, np, mine)) {
-    return;
-  }
+  if (!WarpPlanesOf(g, planes, p0, np, mine)) return;
   const int in_bytes = g.in_h * g.in_w * static_cast<int>(sizeof(T));
   // The range in 16-byte pieces from the aligned address at or below its
   // start (dy is 16-byte aligned), and the elements after the last whole
