@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 
 import cases
 import jax
@@ -182,6 +183,17 @@ def test_16bit_scatter_gets_a_workspace_only_where_it_needs_one(
         assert_close(jax.jit(pull)(xs, gs), case.oracle_vjp(g), dtype, "scatter gradient")
 
 
+def _param(case: TorchCase, dtype: np.dtype) -> object:
+    """A (case, dtype) parameter, named after both."""
+    return pytest.param(case, dtype, id=f"{case}-{dtype_name(dtype)}")
+
+
+def _every_dtype(calls: Iterable[TorchCase]) -> list:
+    """Each call in every dtype, dtype by dtype."""
+    calls = tuple(calls)
+    return [_param(case, dtype) for dtype in DTYPES for case in calls]
+
+
 def _specialised_cases() -> list:
     """Every specialised window at every left padding up to k // 2, under each
     divisor rule (shapes in NCHW order). NCHW: rows wide enough to span several
@@ -213,7 +225,7 @@ def _specialised_cases() -> list:
                 for i, (shape, extra) in enumerate(shapes[layout]):
                     dtype = DTYPES[(k + pad + i) % 4]
                     case = TorchCase(shape, k, s, pad, layout=layout, **extra)
-                    params.append(pytest.param(case, dtype, id=f"{case}-{dtype_name(dtype)}"))
+                    params.append(_param(case, dtype))
     return params
 
 
@@ -272,7 +284,7 @@ def _plane_cases() -> list:
             for extra in ({}, {"count_include_pad": False}, {"divisor_override": 11}):
                 shape = shapes[(i + pad) % 3]
                 case = TorchCase(shape, 7, 1, pad, **extra)
-                params.append(pytest.param(case, dtype, id=f"{case}-{dtype_name(dtype)}"))
+                params.append(_param(case, dtype))
     return params
 
 
@@ -295,7 +307,6 @@ def _strip_cases() -> list:
     has 32 strips a plane, one forward 31; 32-row planes; and the calls just
     past its limits (33 rows, 33 strips, unpaired columns, divisors per
     window), which go to the other kernels."""
-    params = []
     calls = (
         ((2, 9, 28, 28), 0, {}),  # gather: 22-wide dy in pairs
         ((2, 9, 28, 28), 1, {}),  # forward: 24-wide rows
@@ -311,11 +322,7 @@ def _strip_cases() -> list:
         ((2, 6, 32, 32), 0, {}),
         ((1, 4, 33, 32), 0, {}),
     )
-    for dtype in DTYPES:
-        for shape, pad, extra in calls:
-            case = TorchCase(shape, 7, 1, pad, **extra)
-            params.append(pytest.param(case, dtype, id=f"{case}-{dtype_name(dtype)}"))
-    return params
+    return _every_dtype(TorchCase(shape, 7, 1, pad, **extra) for shape, pad, extra in calls)
 
 
 @pytest.mark.parametrize(("case", "dtype"), _strip_cases())
@@ -352,12 +359,7 @@ def _half_strip_cases() -> list:
         ((2, 5, 41, 24), 2, 1, {}),
         ((2, 5, 30, 28), 2, 0, {}),  # float32: 28 is not a multiple of 8
     )
-    params = []
-    for dtype in DTYPES:
-        for shape, k, pad, extra in calls:
-            case = TorchCase(shape, k, 2, pad, **extra)
-            params.append(pytest.param(case, dtype, id=f"{case}-{dtype_name(dtype)}"))
-    return params
+    return _every_dtype(TorchCase(shape, k, 2, pad, **extra) for shape, k, pad, extra in calls)
 
 
 @pytest.mark.parametrize(("case", "dtype"), _half_strip_cases())
@@ -406,7 +408,7 @@ def _scatter_tile_cases() -> list:
     for i, (shape, k, s, pad, extra) in enumerate(configs):
         for dtype in dict.fromkeys((DTYPES[i % 4], F32)):
             case = TorchCase(shape, k, s, pad, **extra)
-            params.append(pytest.param(case, dtype, id=f"{case}-{dtype_name(dtype)}"))
+            params.append(_param(case, dtype))
     return params
 
 
