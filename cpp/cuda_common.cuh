@@ -148,6 +148,141 @@ __device__ __forceinline__ void SlidingSums(const In& in, Acc (&out)[N]) {
 }
 
 // ---------------------------------------------------------------------------
+// Divisors, copies into shared memory, vector accesses and segments of rows,
+// shared by the kernel files.
+
+// Correctly rounded reciprocals: the kernels multiply by 1 / divisor rather
+// than divide, computing one reciprocal per window instead of one division
+// per element (within one ulp of the quotient; the division is the most
+// expensive operation of these kernels).
+__device__ __forceinline__ float Reciprocal(float v) { return __frcp_rn(v); }
+__device__ __forceinline__ double Reciprocal(double v) { return __drcp_rn(v); }
+
+// The divisor factors that every window of a call shares, when they all
+// share them: under an override, or when each axis's first and last windows
+// (hence all of them: a factor only shrinks towards the ends of an axis)
+// have the kernel's extent as their factor, as every window does in a call
+// without padding or ceil_mode overhang, and under the padded count in any
+// call without overhang. `row`, `col` and `value` are then the reciprocals
+// that the per-window path would compute, in the same arithmetic (host IEEE
+// division is correctly rounded, as Reciprocal), so kernels that take them
+// instead (the NCHW row kernels, the NHWC strided gather and sliding
+// forward) give bitwise the same results, for fewer instructions: in the
+// 7x7/1 NCHW gather the per-window reciprocals were half of them.
+template <typename Acc>
+struct SharedFactor {
+  bool all;
+  Acc row, col;  // 1 / row factor, 1 / column factor
+  Acc value;     // row * col
+};
+
+template <typename Acc>
+SharedFactor<Acc> SharedFactorOf(const PoolAttrs& a, const PoolShape& s) {
+  if (a.divisor_mode == kOverride) {
+    const Acc row = Acc(1) / static_cast<Acc>(a.divisor_override);
+    return {true, row, Acc(1), row};
+  }
+  const auto full = [&](int64_t in, int64_t out, int64_t k, int64_t st,
+                        int64_t lo, int64_t hi) {
+    for (const int64_t o : {int64_t{0}, out - 1}) {
+      const Window w = WindowAt(o, in, k, st, lo, hi);
+      const int64_t f =
+          a.divisor_mode == kCountPadded ? w.padded_count : w.end - w.start;
+      if (f != k) return false;
+    }
+    return out > 0;
+  };
+  if (!full(s.in_h, s.out_h, a.kernel_h, a.stride_h, a.pad_top, a.pad_bottom) ||
+      !full(s.in_w, s.out_w, a.kernel_w, a.stride_w, a.pad_left, a.pad_right)) {
+    return {false, Acc(0), Acc(0), Acc(0)};
+  }
+  const Acc row = Acc(1) / static_cast<Acc>(a.kernel_h),
+            col = Acc(1) / static_cast<Acc>(a.kernel_w);
+  return {true, row, col, row * col};
+}
+
+// The divisor factor of a window along one axis (the override goes with the
+// rows): Divisor(a, wh, ww) is the product of the two, an exact small
+// integer, so 1 / divisor is taken as the product of the correctly rounded
+// reciprocals of the factors, within two ulps.
+template <typename Acc>
+__device__ __forceinline__ Acc WindowFactor(const PoolAttrs& a, const Window& w,
+                                            bool is_row) {
+  return a.divisor_mode == kCountPadded ? static_cast<Acc>(w.padded_count)
+         : a.divisor_mode == kCountReal ? static_cast<Acc>(w.end - w.start)
+         : is_row                       ? static_cast<Acc>(a.divisor_override)
+                                        : Acc(1);
+}
+
+// Channels in a 16-byte vector access, and whether NHWC accesses of V
+// channels fit a call: C a multiple of V, both buffers aligned to the vector.
+template <typename T>
+constexpr int kWide = 16 / static_cast<int>(sizeof(T));
+template <typename T, int V = kWide<T>>
+bool CanVectorise(const PoolShape& s, const void* in, const void* out) {
+  const auto aligned = [](const void* p) {
+    return reinterpret_cast<uintptr_t>(p) % (sizeof(T) * V) == 0;
+  };
+  return s.channels % V == 0 && aligned(in) && aligned(out);
+}
+
+// Destination rows per item of SlideNhwc: the whole extent in segments of
+// at most 32 rows, split evenly. Each segment reloads the source rows that
+// the one above it loaded too, but the items of one segment per image were
+// too few to fill the H200 on the 224-row bench case (float32 3x3/1:
+// 225 us with two segments, 219 with seven).
+inline int SlideRows(int64_t dst_h) {
+  const int64_t segs = std::max<int64_t>((dst_h + 31) / 32, 1);
+  return static_cast<int>(std::max<int64_t>((dst_h + segs - 1) / segs, 1));
+}
+
+// Starts copying kBytes (4, 8 or 16) from global `from` to shared `to`
+// without passing through registers; with kZeroFill, zeros instead when
+// !ok. CommitCopies makes the copies this thread started since its last
+// commit one group; CopyAsync does both; CopyWait waits until at most
+// `kPending` of this thread's groups are in flight.
+template <int kBytes, bool kZeroFill>
+__device__ __forceinline__ void StartCopy(void* to, const void* from, bool ok) {
+#if __CUDA_ARCH__ >= 800
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(to));
+  if constexpr (kZeroFill && kBytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
+                 "l"(from), "r"(ok ? 16 : 0));
+  } else if constexpr (kZeroFill) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst),
+                 "l"(from), "n"(kBytes), "r"(ok ? kBytes : 0));
+  } else if constexpr (kBytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst),
+                 "l"(from));
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst),
+                 "l"(from), "n"(kBytes));
+  }
+#else
+  using Raw = typename RawBits<kBytes>::type;
+  Raw raw{};
+  if (!kZeroFill || ok) raw = *static_cast<const Raw*>(from);
+  *static_cast<Raw*>(to) = raw;
+#endif
+}
+__device__ __forceinline__ void CommitCopies() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int kBytes>
+__device__ __forceinline__ void CopyAsync(void* to, const void* from, bool ok) {
+  StartCopy<kBytes, true>(to, from, ok);
+  CommitCopies();
+}
+template <int kPending>
+__device__ __forceinline__ void CopyWait() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+
+// ---------------------------------------------------------------------------
 // Constants: compile-time for a specialisation, runtime for the generic
 // kernel.
 
