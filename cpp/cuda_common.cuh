@@ -459,6 +459,14 @@ cudaError_t WithType(DType dtype, Fn&& fn) {
   return cudaErrorInvalidValue;
 }
 
+// The NHWC stride-1 box filter of 16-bit types on the tensor cores
+// (cuda_box_mma.cu): launches it and returns true where it applies, the
+// launch's error in `error`; returns false, launching nothing, elsewhere.
+template <typename T, bool kGather>
+bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
+                      const PoolShape& s, const T* src, T* dst,
+                      cudaError_t& error);
+
 }  // namespace jax_avgpool::cuda
 
 #endif  // JAX_AVGPOOL_CUDA_COMMON_CUH_

@@ -13,7 +13,8 @@
 //   of rows that the item walks down, loading each source row once, for
 //   stride 1 and the 3x3/2 forward (see "NHWC: a sliding window down H";
 //   windows wider than 3 at stride 1 sum along W through shared memory,
-//   see "the box filter"); of a block of rows for the others.
+//   see "the box filter", and for 16-bit types with channels in 64s on the
+//   tensor cores, in cuda_box_mma.cu); of a block of rows for the others.
 // - NCHW planes in shared memory, for stride-1 windows of 5 and more (7x7/1)
 //   on planes small enough that a few fit in a block's shared memory. Where
 //   every window shares one divisor and the rows allow, a lane per strip of
@@ -1540,9 +1541,11 @@ __global__ void __launch_bounds__(kThreads, kNhwcSlideBlocks<T, S>)
 // 52.4 / 69.7); for 16-bit types, a warp per tile of one image and eight
 // channels in shared memory, its lanes walking strips of registers as
 // StripsNchw's (55-67 / 68-76 us: 23% occupancy, and each warp's walk
-// serial after its copy); the sums on the tensor cores (mma.sync with a
-// 0/1 matrix, exact for 16-bit operands), from whole tiles or from a ring
-// of rows in shared memory (46 / 52 us at best; BENCHMARKS.md).
+// serial after its copy). 16-bit calls whose channels come in 64s, with
+// destination images of 20 rows or more and 16 blocks of work or more,
+// take the sums on the tensor cores instead (cuda_box_mma.cu: bfloat16
+// 28.8 / 38.7 us); its first forms, with tiles of two destination rows as
+// the M side, ran 46 / 52 us at best (BENCHMARKS.md).
 constexpr int kBoxAhead = 4;
 constexpr int kBoxBuffers = 4;
 constexpr int kBoxMaxThreads = 512;
@@ -1802,6 +1805,13 @@ cudaError_t LaunchSlideNhwc(cudaStream_t stream, const PoolAttrs& a,
                   rows, SharedFactorOf<typename Num<T>::Acc>(a, s));
   };
   if constexpr (NhwcBox<S>()) {
+    if constexpr (sizeof(T) == 2) {
+      // The tensor-core box filter, where it applies.
+      cudaError_t error = cudaSuccess;
+      if (LaunchMmaBoxNhwc<T, kGather>(stream, a, s, src, dst, error)) {
+        return error;
+      }
+    }
     // Eight bytes for 16-bit types; cp.async moves 4, 8 or 16 bytes, so
     // one-element accesses take SlideNhwc with one column per item.
     constexpr int VB = sizeof(T) == 2 ? 4 : kWide<T>;

@@ -425,3 +425,66 @@ def test_scatter_tiles_on_gpu_match_oracle(
     with dtype_mode(dtype):
         dx = jax.jit(pull)(*_on(gpu, x, g))
     assert_close(dx, case.oracle_vjp(g), dtype, "scatter gradient")
+
+
+def _tensor_core_box_cases() -> list:
+    """7x7/1 NHWC calls of 16-bit types whose channels come in slabs of 64, with
+    destination images of 20 rows or more and 16 blocks or more, which the
+    tensor-core box filter takes (its gather only where every window shares one
+    divisor; shapes in NCHW order): 28x28 images at each padding (rows 22 to 28
+    wide, strips of 24 or 32 columns) and divisor rule; images taller than 32
+    rows (segments of rows) and wider than 32 columns (strips, the last one
+    partial); two slabs of channels; and three calls it leaves to the other
+    kernels (too few rows, too few blocks, channels not in slabs of 64)."""
+    calls = (
+        ((16, 64, 28, 28), 0, {}),
+        ((16, 64, 28, 28), 1, {}),
+        ((16, 64, 28, 28), 2, {"count_include_pad": False}),
+        ((16, 64, 28, 28), 3, {"divisor_override": 11}),
+        ((2, 128, 45, 70), 3, {}),
+        ((8, 64, 33, 40), 1, {"ceil_mode": True}),
+        ((6, 192, 26, 20), 2, {"count_include_pad": False}),
+        ((16, 64, 19, 19), 3, {}),
+        ((2, 64, 28, 28), 0, {}),
+        ((16, 96, 28, 28), 0, {}),
+    )
+    return [
+        _param(TorchCase(shape, 7, 1, pad, layout="NHWC", **extra), dtype)
+        for dtype in LOW_PRECISION
+        for shape, pad, extra in calls
+    ]
+
+
+@pytest.mark.parametrize(("case", "dtype"), _tensor_core_box_cases())
+def test_tensor_core_box_filter_on_gpu_matches_oracle(
+    case: TorchCase, dtype: np.dtype, gpu: jax.Device, rng: np.random.Generator
+) -> None:
+    """Window sums by mma.sync with a 0/1 matrix: forward and gather against the
+    oracle, the gather bitwise repeatable."""
+    _check_forward_and_gather(case, dtype, gpu, rng)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_name)
+def test_tensor_core_box_filter_keeps_infinities_and_nans(
+    dtype: np.dtype, gpu: jax.Device, rng: np.random.Generator
+) -> None:
+    """On the tensor cores an infinity or NaN times one of the 0/1 matrix's zeros
+    is NaN, which would spoil the sums of windows that do not hold it: the
+    forward and gather must still equal the CPU's, infinities, NaNs (inf - inf
+    in one window) and finite sums beside them alike."""
+    case = TorchCase((16, 64, 28, 28), 7, 1, 3, layout="NHWC")
+    x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
+    for a in (x, g):
+        a[0, 3, 5, 7], a[0, 6, 9, 7] = np.inf, -np.inf
+        a[1, 20, 26, 40], a[1, 2, 2, 63] = -np.inf, np.nan
+    cpu = jax.devices("cpu")[0]
+    with dtype_mode(dtype):
+        on_gpu = _forward_and_gradients(case, *_on(gpu, x, g))[:2]
+        on_cpu = _forward_and_gradients(case, *_on(cpu, x, g))[:2]
+    for what, got, want in zip(("forward", "gather gradient"), on_gpu, on_cpu, strict=True):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert np.isinf(want).any() and np.isnan(want).any(), what
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=what)
+        np.testing.assert_array_equal(np.isposinf(got), np.isposinf(want), err_msg=what)
+        np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want), err_msg=what)
+        assert_close(got, want, dtype, what)

@@ -1,0 +1,543 @@
+// The NHWC stride-1 box filter of 16-bit types on the tensor cores: the
+// forward and the gather of windows 4 to 9 columns wide (7x7/1), where
+// BoxNhwc (cuda_kernels.cu) spends most of its time on the instructions of
+// its sums.
+//
+// A window sum along W is a product with a 0/1 matrix: for 8 adjacent
+// destination columns j, the sums over the 16 source columns k under them
+// (k - j in [0, KW)) are D[ch][j] = sum_k X[ch][k] * B[k][j], with X the
+// source row's pixels, 16 channels of each. The tensor cores multiply
+// 16-bit operands exactly and add in float32, so one mma.sync m16n8k16 takes
+// 128 such sums, and adding the KH source rows of a window into the same
+// accumulators makes them the window sums. B is one fixed pair of registers.
+//
+// A block takes 128 bytes of channels (64) of one image, a strip of 8 * NT
+// destination columns and a segment of destination rows. It streams the
+// source rows under them through a ring in shared memory (cp.async, zeros
+// outside the source), kMmaRows destination rows a step: per source row a
+// warp (16 channels) loads the NT + 1 halves of 8 columns its NT tiles of
+// 8 destination columns read (ldmatrix, transposed: channels become the M
+// side) and adds them into every destination row of the step whose window
+// holds that row. The sums are scaled, rounded and stored transposed back
+// into pixels of channels in a stage in shared memory (stmatrix), which
+// the block copies out at its next step in whole 128-byte pieces of pixels.
+//
+// The zeros of B do not hide what they multiply: 0 * inf is NaN, so an
+// infinity or NaN among the 16 source columns of a tile spoils every sum of
+// that tile. A NaN or infinity among a warp's rounded results is the only
+// sign needed: the warp then sums its part of the item again, element by
+// element from global memory, which gives what the other kernels give.
+//
+// Only the uniform divisor for the gather, whose factors would weight the
+// source before the sums; every divisor for the forward.
+//
+// On the H200 (CUDA events, us, forward / gather, 64x28x28x512): bfloat16
+// 28.8 / 38.7 against BoxNhwc's 37.2 / 42.6, float16 28.8 / 38.6 against
+// 37.2 / 41.5; with padding 3 (28 destination columns both ways) 41.1 /
+// 41.0 against 45.1 / 45.5; 2x230x230x64 17.8 / 17.4 against 27.1 / 27.3.
+// Without the kernel's stores the forward took 21.9 and its loads alone
+// 17-18, about 2.9 TB/s. Tried, not kept: each warp storing its results
+// straight from registers (movmatrix, 4-byte stores: 29-30 / 40-44), a
+// block of 128 channels (256 bytes a pixel: the same), rows brought into
+// L2 two to six steps ahead (1-5 us slower), 16-column strips (34.6 /
+// 41.3); two steps of rows in flight for 24-column strips (32.6 against
+// 28.9, at three blocks a multiprocessor instead of four), one for 32-column
+// strips (44.5 against 38.7: the gather's 28 columns take those).
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda_common.cuh"
+
+namespace jax_avgpool::cuda {
+namespace {
+
+constexpr int kMmaWarps = 4;  // 16 channels each: 128 bytes of a pixel
+constexpr int kMmaRows = 2;   // destination rows per step
+constexpr int kMmaThreads = 32 * kMmaWarps;
+// Where it is taken: destination images of at least kMmaMinRows rows and
+// calls of at least kMmaMinItems blocks. On fewer rows the rows a block
+// loads before its first sums weigh more, and on fewer blocks BoxNhwc's
+// more, smaller items fill the card better (H200, bfloat16 and float16,
+// us, forward / gather, against BoxNhwc: 64x14x14x512 with padding 3,
+// 20.9 / 20.9 against 15.1 / 15.2; 3x19x37x192 with padding 2, 10.6 /
+// 11.3 against 10.0 / 10.3; the gather of 7x23x30x64 with padding 1, 7
+// blocks, 12.8 against 9.9; of 3x60x75x64 with padding 3, 18 blocks, 15.2
+// against 17.0).
+constexpr int kMmaMinRows = 20;
+constexpr int kMmaMinItems = 16;
+constexpr int kPixelBytes = 128;
+
+// Source rows the ring holds: a step's rows and P steps' new ones.
+template <typename S>
+constexpr int MmaRing(int P) {
+  return (P + 1) * kMmaRows + S::KH - 1;
+}
+
+template <typename T>
+struct MmaOne;  // the bits of 1 in T
+template <>
+struct MmaOne<__half> {
+  static constexpr unsigned kBits = 0x3C00u;
+};
+template <>
+struct MmaOne<__nv_bfloat16> {
+  static constexpr unsigned kBits = 0x3F80u;
+};
+
+// acc = A (16 x 16, row-major, 4 registers) * B (16 x 8, 2 registers) plus
+// acc, or plus zero where `first`.
+template <typename T>
+__device__ __forceinline__ void MmaAdd(float (&acc)[4], unsigned a0,
+                                       unsigned a1, unsigned a2, unsigned a3,
+                                       unsigned b0, unsigned b1, bool first) {
+#if __CUDA_ARCH__ >= 800
+  const float c0 = first ? 0.f : acc[0], c1 = first ? 0.f : acc[1],
+              c2 = first ? 0.f : acc[2], c3 = first ? 0.f : acc[3];
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
+        : "=f"(acc[0]), "=f"(acc[1]), "=f"(acc[2]), "=f"(acc[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(c0),
+          "f"(c1), "f"(c2), "f"(c3));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
+        : "=f"(acc[0]), "=f"(acc[1]), "=f"(acc[2]), "=f"(acc[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(c0),
+          "f"(c1), "f"(c2), "f"(c3));
+  }
+#endif
+}
+
+// Four (two) 8x8 matrices of 16-bit elements from shared memory,
+// transposed: lanes 8i .. 8i + 7 give the addresses of matrix i's rows.
+__device__ __forceinline__ void LoadFour(unsigned (&m)[4], unsigned at) {
+#if __CUDA_ARCH__ >= 800
+  asm volatile(
+      "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+      : "=r"(m[0]), "=r"(m[1]), "=r"(m[2]), "=r"(m[3])
+      : "r"(at)
+      : "memory");
+#endif
+}
+__device__ __forceinline__ void LoadTwo(unsigned (&m)[2], unsigned at) {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(m[0]), "=r"(m[1])
+               : "r"(at)
+               : "memory");
+#endif
+}
+
+// Four (two) 8x8 matrices of 16-bit elements to shared memory, transposed:
+// lane 4g + t holds row g, columns 2t and 2t + 1 of matrix i in m[i], which
+// land as column g of rows 2t and 2t + 1 at the row addresses that lanes
+// 8i .. 8i + 7 give (stmatrix on sm_90, else transposed across the warp by
+// movmatrix and stored a lane at a time).
+template <int N>
+__device__ __forceinline__ void StoreTransposed(unsigned at,
+                                                const unsigned (&m)[N]) {
+#if __CUDA_ARCH__ >= 900
+  if constexpr (N == 4) {
+    asm volatile(
+        "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], "
+        "{%1,%2,%3,%4};\n" ::"r"(at),
+        "r"(m[0]), "r"(m[1]), "r"(m[2]), "r"(m[3])
+        : "memory");
+  } else {
+    static_assert(N == 2);
+    asm volatile(
+        "stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1,%2};\n" ::"r"(
+            at),
+        "r"(m[0]), "r"(m[1])
+        : "memory");
+  }
+#elif __CUDA_ARCH__ >= 800
+  const int lane = static_cast<int>(threadIdx.x & 31);
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const unsigned row = __shfl_sync(0xffffffffu, at, 8 * i + (lane >> 2));
+    unsigned v;
+    asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n"
+        : "=r"(v)
+        : "r"(m[i]));
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(row + 4 * (lane & 3)), "r"(v)
+                 : "memory");
+  }
+#endif
+}
+
+// 16 bytes from global `from` to shared `to`, or zeros when !ok.
+__device__ __forceinline__ void CopyChunk(unsigned to, const void* from,
+                                          bool ok) {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to),
+               "l"(from), "r"(ok ? 16 : 0)
+               : "memory");
+#endif
+}
+
+// The bits of a and b rounded to T, a in the low half (one cvt).
+template <typename T>
+__device__ __forceinline__ unsigned Pack(float a, float b) {
+  unsigned bits;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    memcpy(&bits, &v, 4);
+  } else {
+    const __half2 v = __floats2half2_rn(a, b);
+    memcpy(&bits, &v, 4);
+  }
+  return bits;
+}
+
+// flag stays +0 while both halves of v are finite: v * 0 + flag.
+template <typename T>
+__device__ __forceinline__ unsigned FiniteFlag(unsigned v, unsigned flag) {
+  using T2 =
+      std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+  T2 x, f;
+  memcpy(&x, &v, 4);
+  memcpy(&f, &flag, 4);
+  const T2 r = __hfma2(x, T2{}, f);
+  unsigned bits;
+  memcpy(&bits, &r, 4);
+  return bits;
+}
+
+template <typename T, typename S, bool kGather, int NT, int P>
+__global__ void __launch_bounds__(kMmaThreads, 4)
+    MmaBoxNhwc(const PoolAttrs a, const PoolShape s, const T* __restrict__ src,
+               T* __restrict__ dst, const int rows,
+               const SharedFactor<float> shared, const int64_t items) {
+#if __CUDA_ARCH__ >= 800
+  constexpr int KH = S::KH, KW = S::KW, R = kMmaRows;
+  constexpr int NR = MmaRing<S>(P);
+  constexpr int NC = 8 * NT + 8;  // pixels of a ring row
+  constexpr int kRowBytes = NC * kPixelBytes;
+  constexpr int kStageRow = 8 * NT * kPixelBytes;  // a staged output row
+  constexpr int kCopies = (NC + 15) / 16;
+  constexpr int kOutCopies = (8 * NT + 15) / 16;
+  static_assert(NhwcBox<S>() && KW <= 9 && sizeof(T) == 2);
+  extern __shared__ __align__(128) unsigned char mma_ring[];
+  unsigned char* const stage = mma_ring + NR * kRowBytes;  // [2][R] rows
+  float* const row_f = reinterpret_cast<float*>(stage + 2 * R * kStageRow);
+  float* const col_f = row_f + rows;
+  const int64_t H = s.in_h, W = s.in_w, OH = s.out_h, OW = s.out_w;
+  const int64_t src_h = kGather ? OH : H, src_w = kGather ? OW : W;
+  const int64_t dst_h = kGather ? H : OH, dst_w = kGather ? W : OW;
+  const int64_t C = s.channels;
+  const int64_t off_h = kGather ? a.pad_top - KH + 1 : -a.pad_top;
+  const int64_t off_w = kGather ? a.pad_left - KW + 1 : -a.pad_left;
+  const int64_t slabs = C / 64;
+  const int64_t strips = (dst_w + 8 * NT - 1) / (8 * NT);
+  const int64_t segs = (dst_h + rows - 1) / rows;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  // B[k][j] = 1 where source column k of a tile's 16 lies in the window of
+  // its destination column j; lane 4g + t holds k = 2t, 2t + 1 (b0) and
+  // 2t + 8, 2t + 9 (b1) of column g.
+  const auto one = [&](int k) {
+    return k >= g && k < g + KW ? MmaOne<T>::kBits : 0u;
+  };
+  const unsigned b0 = one(2 * t) | one(2 * t + 1) << 16;
+  const unsigned b1 = one(2 * t + 8) | one(2 * t + 9) << 16;
+  // Pixel p of a ring row, and of a staged output row, holds its 16-byte
+  // chunk q (8 channels) at position q ^ (p & 7), so that the eight pixels
+  // of one chunk that ldmatrix and stmatrix reach together fall on distinct
+  // banks. Thread tid copies chunk tid & 7 of pixels (tid >> 3) + 16i, in
+  // and out.
+  const int cq = tid & 7, cp0 = tid >> 3;
+  const unsigned ring =
+      static_cast<unsigned>(__cvta_generic_to_shared(mma_ring));
+  const unsigned ring_end = ring + NR * kRowBytes;
+  const unsigned copy_at = cp0 * kPixelBytes + ((cq ^ (cp0 & 7)) << 4);
+  // ldmatrix and stmatrix: matrix i of a pair of 8-pixel halves is pixel
+  // (lane & 7) + 8 * (i >> 1) of the pair, chunk 2 * warp + (i & 1).
+  const unsigned lane_at = ((lane & 7) + 8 * (lane >> 4)) * kPixelBytes +
+                           (((2 * warp + ((lane >> 3) & 1)) ^ (lane & 7)) << 4);
+  const unsigned stage_at =
+      static_cast<unsigned>(__cvta_generic_to_shared(stage)) + lane_at;
+  const int64_t row_step = src_w * C, out_step = dst_w * C;
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    int64_t rest = item;
+    const int64_t slab = rest % slabs;
+    rest /= slabs;
+    const int64_t strip = rest % strips;
+    rest /= strips;
+    const int64_t o0 = rest % segs * rows, n = rest / segs;
+    const int64_t w0 = strip * 8 * NT;
+    const int nrow = static_cast<int>(min(int64_t{rows}, dst_h - o0));
+    const int ncol = static_cast<int>(min(int64_t{8 * NT}, dst_w - w0));
+    const int64_t top = o0 + off_h, left = w0 + off_w;
+    const int nsrc = nrow + KH - 1;
+    if (!shared.all) {
+      // 1 / factor of each destination row, then of each column.
+      for (int i = tid; i < rows + 8 * NT; i += kMmaThreads) {
+        const bool is_row = i < rows;
+        const int64_t o = is_row ? o0 + i : w0 + i - rows;
+        row_f[i] =
+            o < (is_row ? dst_h : dst_w)
+                ? Reciprocal(WindowFactor<float>(
+                      a,
+                      is_row ? WindowAt(o, H, KH, 1, a.pad_top, a.pad_bottom)
+                             : WindowAt(o, W, KW, 1, a.pad_left, a.pad_right),
+                      is_row))
+                : 0.f;
+      }
+    }
+    // The copies in: ring row r is source row top + r, in slot r mod NR;
+    // rows r_lo .. r_hi - 1 are inside the source (rows past the segment's
+    // are copied as zeros). Bit i of `have`: pixel cp0 + 16i is in a ring
+    // row; of `inside`: its column is in the source too.
+    const int r_lo = static_cast<int>(max(int64_t{0}, -top));
+    const unsigned r_count = static_cast<unsigned>(
+        max(int64_t{0}, min(int64_t{nsrc}, src_h - top) - r_lo));
+    unsigned have = 0, inside = 0, out_ok = 0;
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      const int64_t c = left + cp0 + 16 * i;
+      if (cp0 + 16 * i < NC) {
+        have |= 1u << i;
+        if (c >= 0 && c < src_w) inside |= 1u << i;
+      }
+      if (cp0 + 16 * i < ncol) out_ok |= 1u << i;
+    }
+    const int64_t pixel_step = 16 * C;
+    const T* from = src + (n * src_h + top) * row_step + (left + cp0) * C +
+                    slab * 64 + cq * 8;
+    unsigned to = ring + copy_at;
+    int r_next = 0;
+    const auto copy_row = [&]() {
+      const unsigned ok_bits =
+          static_cast<unsigned>(r_next - r_lo) < r_count ? inside : 0u;
+      const T* at = from;
+#pragma unroll
+      for (int i = 0; i < kCopies; ++i, at += pixel_step) {
+        if (have & 1u << i) {
+          const bool ok = (ok_bits >> i) & 1u;
+          CopyChunk(to + i * 16 * kPixelBytes, ok ? at : src, ok);
+        }
+      }
+      ++r_next;
+      from += row_step;
+      to = to + kRowBytes < ring_end ? to + kRowBytes
+                                     : to + kRowBytes - NR * kRowBytes;
+    };
+    // The copies out: the rows of step k, staged in buffer k & 1.
+    T* const out =
+        dst + ((n * dst_h + o0) * dst_w + w0 + cp0) * C + slab * 64 + cq * 8;
+    const auto copy_out = [&](int k) {
+      const unsigned char* const from_stage =
+          stage + (k & 1) * R * kStageRow + copy_at;
+#pragma unroll
+      for (int o = 0; o < R; ++o) {
+        if (k * R + o >= nrow) break;
+        T* const q = out + static_cast<int64_t>(k * R + o) * out_step;
+#pragma unroll
+        for (int i = 0; i < kOutCopies; ++i) {
+          if (out_ok & 1u << i) {
+            *reinterpret_cast<uint4*>(q + i * pixel_step) =
+                *reinterpret_cast<const uint4*>(from_stage + o * kStageRow +
+                                                i * 16 * kPixelBytes);
+          }
+        }
+      }
+    };
+    // Step 0 adds rows 0 .. R + KH - 2, step k > 0 R more.
+#pragma unroll 1
+    for (int r = 0; r < KH - 1; ++r) copy_row();
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) copy_row();
+      CommitCopies();
+    }
+    unsigned flag = 0;
+    unsigned base = ring + lane_at;  // the step's first ring row
+    const int steps = (nrow + R - 1) / R;
+    for (int k = 0; k < steps; ++k) {
+      CopyWait<P - 1>();
+      __syncthreads();  // the step's rows are in; the last step's are read
+#pragma unroll
+      for (int r = 0; r < R; ++r) copy_row();
+      CommitCopies();
+      if (k > 0) copy_out(k - 1);
+      float acc[R][NT][4];
+#pragma unroll
+      for (int i = 0; i < R + KH - 1; ++i) {
+        const unsigned at = base + i * kRowBytes < ring_end + lane_at
+                                ? base + i * kRowBytes
+                                : base + i * kRowBytes - NR * kRowBytes;
+        unsigned half[NT + 1][2];  // [half][channels 0-7, 8-15]
+#pragma unroll
+        for (int h = 0; h + 1 <= NT; h += 2) {
+          unsigned m[4];
+          LoadFour(m, at + h * 8 * kPixelBytes);
+          half[h][0] = m[0], half[h][1] = m[1];
+          half[h + 1][0] = m[2], half[h + 1][1] = m[3];
+        }
+        if constexpr (NT % 2 == 0) {
+          unsigned m[2];
+          LoadTwo(m, at + NT * 8 * kPixelBytes);
+          half[NT][0] = m[0], half[NT][1] = m[1];
+        }
+#pragma unroll
+        for (int o = 0; o < R; ++o) {
+          if (i - o < 0 || i - o >= KH) continue;
+#pragma unroll
+          for (int u = 0; u < NT; ++u) {
+            MmaAdd<T>(acc[o][u], half[u][0], half[u][1], half[u + 1][0],
+                      half[u + 1][1], b0, b1, i == o);
+          }
+        }
+      }
+      const unsigned stage_k = stage_at + (k & 1) * R * kStageRow;
+#pragma unroll
+      for (int o = 0; o < R; ++o) {
+        if (k * R + o >= nrow) break;
+        const float fr = shared.all ? shared.value : row_f[k * R + o];
+        unsigned v[NT][2];  // [tile][channels 0-7, 8-15]
+#pragma unroll
+        for (int u = 0; u < NT; ++u) {
+          // acc: channels g and g + 8 of columns 8u + 2t and 8u + 2t + 1.
+          float f0 = fr, f1 = fr;
+          if (!shared.all) {
+            f0 *= col_f[8 * u + 2 * t];
+            f1 *= col_f[8 * u + 2 * t + 1];
+          }
+          v[u][0] = Pack<T>(acc[o][u][0] * f0, acc[o][u][1] * f1);
+          v[u][1] = Pack<T>(acc[o][u][2] * f0, acc[o][u][3] * f1);
+          flag = FiniteFlag<T>(v[u][1], FiniteFlag<T>(v[u][0], flag));
+        }
+        // Transposed into pixels of channels, two tiles at a time.
+#pragma unroll
+        for (int u = 0; u + 1 < NT; u += 2) {
+          const unsigned m[4] = {v[u][0], v[u][1], v[u + 1][0], v[u + 1][1]};
+          StoreTransposed(stage_k + o * kStageRow + u * 8 * kPixelBytes, m);
+        }
+        if constexpr (NT % 2 == 1) {
+          const unsigned m[2] = {v[NT - 1][0], v[NT - 1][1]};
+          StoreTransposed(stage_k + o * kStageRow + (NT - 1) * 8 * kPixelBytes,
+                          m);
+        }
+      }
+      base = base + R * kRowBytes < ring_end + lane_at
+                 ? base + R * kRowBytes
+                 : base + R * kRowBytes - NR * kRowBytes;
+    }
+    __syncthreads();  // the last step's rows are staged
+    copy_out(steps - 1);
+    // Every copy out is done before a warp sums its part again.
+    if (__syncthreads_or(flag != 0) && __any_sync(0xffffffffu, flag != 0)) {
+      // Element by element: lane pairs of channels, columns, rows.
+      const T* const x0 = src + n * src_h * row_step + slab * 64 + warp * 16;
+      T* const y0 =
+          dst + ((n * dst_h + o0) * dst_w + w0) * C + slab * 64 + warp * 16;
+      for (int i = lane; i < nrow * ncol * 8; i += 32) {
+        const int e = i & 7, jc = (i >> 3) % ncol, oi = (i >> 3) / ncol;
+        float s0 = 0.f, s1 = 0.f;
+        for (int dh = 0; dh < KH; ++dh) {
+          const int64_t h = top + oi + dh;
+          if (h < 0 || h >= src_h) continue;
+          for (int dw = 0; dw < KW; ++dw) {
+            const int64_t c = left + jc + dw;
+            if (c < 0 || c >= src_w) continue;
+            const T* const x = x0 + h * row_step + c * C + 2 * e;
+            s0 += Num<T>::Load(x[0]);
+            s1 += Num<T>::Load(x[1]);
+          }
+        }
+        const float f = shared.all ? shared.value : row_f[oi] * col_f[jc];
+        *reinterpret_cast<unsigned*>(y0 + oi * out_step + jc * C + 2 * e) =
+            Pack<T>(s0 * f, s1 * f);
+      }
+    }
+    CopyWait<0>();    // no copy may land in the next item's ring
+    __syncthreads();  // the next item writes the ring, stage and factors
+  }
+#endif
+}
+
+// Whether the kernel was compiled for sm_80 or later (mma.sync, ldmatrix,
+// cp.async), as the code the device runs: a build for older targets alone
+// leaves its body empty, and the caller takes another kernel.
+template <typename Kernel>
+bool MmaCompiled(Kernel kernel) {
+  cudaFuncAttributes attrs;
+  if (cudaFuncGetAttributes(&attrs, kernel) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return attrs.ptxVersion >= 80 && attrs.binaryVersion >= 80;
+}
+
+}  // namespace
+
+template <typename T, bool kGather>
+bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
+                      const PoolShape& s, const T* src, T* dst,
+                      cudaError_t& error) {
+  return WithSpec(a, [&](auto spec) {
+    using S = decltype(spec);
+    if constexpr (!NhwcBox<S>() || S::KW > 9) {
+      return false;
+    } else {
+      const SharedFactor<float> shared = SharedFactorOf<float>(a, s);
+      if ((kGather && !shared.all) || s.channels % 64 != 0 ||
+          !CanVectorise<T, 8>(s, src, dst)) {
+        return false;
+      }
+      const int64_t dst_h = kGather ? s.in_h : s.out_h;
+      const int64_t dst_w = kGather ? s.in_w : s.out_w;
+      if (dst_h < kMmaMinRows) return false;
+      const int rows = SlideRows(dst_h);
+      const auto launch = [&](auto nt, auto pp) {
+        constexpr int NT = decltype(nt)::value;
+        constexpr int P = decltype(pp)::value;
+        const auto kernel = MmaBoxNhwc<T, S, kGather, NT, P>;
+        const int64_t items = s.batch * Groups(dst_h, rows) *
+                              Groups(dst_w, 8 * NT) * (s.channels / 64);
+        if (items < kMmaMinItems || !MmaCompiled(kernel)) return false;
+        error = cudaSuccess;
+        const size_t smem =
+            static_cast<size_t>(MmaRing<S>(P)) * (8 * NT + 8) * kPixelBytes +
+            static_cast<size_t>(2 * kMmaRows) * 8 * NT * kPixelBytes +
+            static_cast<size_t>(rows + 8 * NT) * sizeof(float);
+        error = cudaFuncSetAttribute(
+            kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+            static_cast<int>(smem));
+        if (error != cudaSuccess) return true;
+        const unsigned grid =
+            static_cast<unsigned>(std::min<int64_t>(items, INT32_MAX));
+        kernel<<<grid, kMmaThreads, smem, stream>>>(a, s, src, dst, rows,
+                                                    shared, items);
+        error = cudaGetLastError();
+        return true;
+      };
+      // Strips of 24 columns where the rows fit them, else of 32.
+      // Strips of 24 columns where the rows fit them, with rows one step
+      // ahead; else of 32, with two steps ahead.
+      return dst_w <= 24 ? launch(std::integral_constant<int, 3>{},
+                                  std::integral_constant<int, 1>{})
+                         : launch(std::integral_constant<int, 4>{},
+                                  std::integral_constant<int, 2>{});
+    }
+  });
+}
+
+template bool LaunchMmaBoxNhwc<__half, false>(cudaStream_t, const PoolAttrs&,
+                                              const PoolShape&, const __half*,
+                                              __half*, cudaError_t&);
+template bool LaunchMmaBoxNhwc<__half, true>(cudaStream_t, const PoolAttrs&,
+                                             const PoolShape&, const __half*,
+                                             __half*, cudaError_t&);
+template bool LaunchMmaBoxNhwc<__nv_bfloat16, false>(
+    cudaStream_t, const PoolAttrs&, const PoolShape&, const __nv_bfloat16*,
+    __nv_bfloat16*, cudaError_t&);
+template bool LaunchMmaBoxNhwc<__nv_bfloat16, true>(
+    cudaStream_t, const PoolAttrs&, const PoolShape&, const __nv_bfloat16*,
+    __nv_bfloat16*, cudaError_t&);
+
+}  // namespace jax_avgpool::cuda
