@@ -167,17 +167,8 @@ __device__ __forceinline__ void StoreTransposed(unsigned at,
 #endif
 }
 
-// 16 bytes from global `from` to shared `to`, or zeros when !ok.
-__device__ __forceinline__ void CopyChunk(unsigned to, const void* from,
-                                          bool ok) {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to),
-               "l"(from), "r"(ok ? 16 : 0)
-               : "memory");
-#endif
-}
-
-// The bits of a and b rounded to T, a in the low half (one cvt).
+// The bits of a and b rounded to T, a in the low half: one paired
+// conversion, where cuda_scatter.cu's PackPair converts each on its own.
 template <typename T>
 __device__ __forceinline__ unsigned Pack(float a, float b) {
   unsigned bits;
@@ -317,7 +308,7 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
       for (int i = 0; i < kCopies; ++i, at += pixel_step) {
         if (have & 1u << i) {
           const bool ok = (ok_bits >> i) & 1u;
-          CopyChunk(to + i * 16 * kPixelBytes, ok ? at : src, ok);
+          StartCopyTo<16, true>(to + i * 16 * kPixelBytes, ok ? at : src, ok);
         }
       }
       ++r_next;

@@ -238,13 +238,14 @@ inline int SlideRows(int64_t dst_h) {
 
 // Starts copying kBytes (4, 8 or 16) from global `from` to shared `to`
 // without passing through registers; with kZeroFill, zeros instead when
-// !ok. CommitCopies makes the copies this thread started since its last
-// commit one group; CopyAsync does both; CopyWait waits until at most
-// `kPending` of this thread's groups are in flight.
+// !ok. StartCopyTo takes the shared-memory address instead (sm_80 and
+// later, where cp.async exists). CommitCopies makes the copies this thread
+// started since its last commit one group; CopyAsync does both; CopyWait
+// waits until at most `kPending` of this thread's groups are in flight.
 template <int kBytes, bool kZeroFill>
-__device__ __forceinline__ void StartCopy(void* to, const void* from, bool ok) {
+__device__ __forceinline__ void StartCopyTo(unsigned dst, const void* from,
+                                            bool ok) {
 #if __CUDA_ARCH__ >= 800
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(to));
   if constexpr (kZeroFill && kBytes == 16) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
                  "l"(from), "r"(ok ? 16 : 0));
@@ -258,6 +259,13 @@ __device__ __forceinline__ void StartCopy(void* to, const void* from, bool ok) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst),
                  "l"(from), "n"(kBytes));
   }
+#endif
+}
+template <int kBytes, bool kZeroFill>
+__device__ __forceinline__ void StartCopy(void* to, const void* from, bool ok) {
+#if __CUDA_ARCH__ >= 800
+  StartCopyTo<kBytes, kZeroFill>(
+      static_cast<unsigned>(__cvta_generic_to_shared(to)), from, ok);
 #else
   using Raw = typename RawBits<kBytes>::type;
   Raw raw{};
