@@ -491,7 +491,6 @@ bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
         const int64_t items = s.batch * Groups(dst_h, rows) *
                               Groups(dst_w, 8 * NT) * (s.channels / 64);
         if (items < kMmaMinItems || !MmaCompiled(kernel)) return false;
-        error = cudaSuccess;
         const size_t smem =
             static_cast<size_t>(MmaRing<S>(P)) * (8 * NT + 8) * kPixelBytes +
             static_cast<size_t>(2 * kMmaRows) * 8 * NT * kPixelBytes +
@@ -507,7 +506,6 @@ bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
         error = cudaGetLastError();
         return true;
       };
-      // Strips of 24 columns where the rows fit them, else of 32.
       // Strips of 24 columns where the rows fit them, with rows one step
       // ahead; else of 32, with two steps ahead.
       return dst_w <= 24 ? launch(std::integral_constant<int, 3>{},
