@@ -1,7 +1,8 @@
-// The NHWC stride-1 box filter of 16-bit types on the tensor cores: the
+// The stride-1 box filter of 16-bit types on the tensor cores: in NHWC the
 // forward and the gather of windows 4 to 9 columns wide (7x7/1), where
 // BoxNhwc (cuda_kernels.cu) spends most of its time on the instructions of
-// its sums.
+// its sums; in NCHW the forward of such windows over planes with rows of 18
+// to 32 columns (MmaPlanesNchw, below).
 //
 // A window sum along W is a product with a 0/1 matrix: for 8 adjacent
 // destination columns j, the sums over the 16 source columns k under them
@@ -451,6 +452,323 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
 #endif
 }
 
+// ---------------------------------------------------------------------------
+// NCHW forward: the same sums with 16 planes on the M side. A block takes
+// groups of 16 consecutive planes (one contiguous range of the source,
+// copied into shared memory while the block sums the group before it), each
+// plane at a pitch of an odd multiple of 16 bytes, so that the lanes reading
+// one 4-byte pair of columns of eight planes fall on distinct banks. A is
+// read straight from the planes' rows as pairs of columns (4-byte loads:
+// rows of 28 columns are not 16-byte aligned, as ldmatrix would want). A
+// tile is 8 destination columns of the 16 planes; its K side, the 16 source
+// columns from an even column at or before its first window's, runs past
+// the row into the neighbouring rows or the zeros around the planes, so B
+// also holds zeros where a column lies outside the source row. Each warp
+// takes steps of kPlaneMmaRows destination rows, the source rows under a
+// step adding into the sums of each row whose window holds them. The
+// rounded sums go to a stage of whole destination planes, which leaves as
+// one contiguous range. As in MmaBoxNhwc, a warp that finds an infinity or
+// NaN among its results sums its rows again element by element (here from
+// the planes in shared memory).
+//
+// On the H200 (CUDA events, us, 64x512 planes of 28x28): bfloat16 29.5,
+// float16 29.4, against PlanesNchw's 33.0. Its copies in and out alone (one
+// group a block, no sums) took 26.0. Not taken for the gathers, where
+// StripsNchw is faster (27.2 against 41 for a first form of this kernel),
+// nor where two buffers of planes and the stage do not fit three blocks a
+// multiprocessor (28x28 destination planes: StripsNchw's 33.3). Its first
+// forms took 51 us, then 39: the compiler computed B and the lanes'
+// addresses again at each product (hence the opaque moves); then steps of
+// two rows, every source row checked against the source's rows, and checks
+// of planes and columns at every store took 12 M instructions against 9.5 M
+// now (still bound by instruction issue: 46% of issue slots used).
+constexpr int kPlaneMmaPlanes = 16;
+constexpr int kPlaneMmaWarps = 4;
+constexpr int kPlaneMmaThreads = 32 * kPlaneMmaWarps;
+constexpr int kPlaneMmaRows = 3;  // destination rows of a warp's step
+// At most this much shared memory a block: three blocks a multiprocessor.
+constexpr size_t kPlaneMmaMaxShared = 72 * 1024;
+// Taken for calls of at least this many groups for each block that stays
+// resident. With fewer, the copies of a block's groups barely overlap its
+// sums, and the other kernels are faster (H200, us, against them: 128 planes
+// of 28x28, 8.0 against 5.5; 448 planes of 23x30 with padding 1, 7.2
+// against 5.1; 8192 planes of 20x26 with padding 2, 512 groups for 396
+// blocks, 10.5 against 9.9).
+constexpr int64_t kPlaneMmaMinLoops = 2;
+
+struct MmaPlaneGeom {
+  int src_h, src_w, dst_h, dst_w;  // a source and a destination plane
+  // Destination (i, j) sums source rows i + off_h .. i + off_h + KH - 1 and
+  // columns j + off_w .. j + off_w + KW - 1 (zero outside the source).
+  int off_h, off_w;
+  int lead;          // bytes of zeros before the first plane of a buffer
+  int pitch;         // bytes from one plane to the next in shared memory
+  int buffer;        // bytes from one buffer of planes to the next
+  int in_bytes;      // bytes of a source plane
+  int in_q;          // bytes per piece of the copy in: 16, 8 or 4
+  FastDiv plane_of;  // piece index / pieces a plane
+  int out_bytes;     // bytes of a destination plane
+  int out_at;        // the stage's offset in shared memory
+  int factors_at;    // the offset of the row, then column, factors
+};
+
+__device__ __forceinline__ unsigned Opaque(unsigned v) {
+  unsigned r;
+  asm volatile("mov.b32 %0, %1;\n" : "=r"(r) : "r"(v));
+  return r;
+}
+
+__device__ __forceinline__ void StoreShared32(unsigned at, unsigned v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ unsigned LoadShared32(unsigned at) {
+  unsigned v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(at));
+  return v;
+}
+
+// kShared: every window shares one divisor (shared.value).
+template <typename T, typename S, int NT, bool kShared>
+__global__ void __launch_bounds__(kPlaneMmaThreads, 3)
+    MmaPlanesNchw(const PoolAttrs a, const MmaPlaneGeom g,
+                  const T* __restrict__ src, T* __restrict__ dst,
+                  const SharedFactor<float> shared, const int64_t planes) {
+#if __CUDA_ARCH__ >= 800
+  constexpr int KH = S::KH, KW = S::KW, NP = kPlaneMmaPlanes;
+  constexpr int R = kPlaneMmaRows;
+  static_assert(sizeof(T) == 2 && KW <= 8);
+  extern __shared__ __align__(16) unsigned char mma_planes[];
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid & 31, warp = tid >> 5;
+  const int gq = lane >> 2, t = lane & 3;
+  const unsigned base =
+      static_cast<unsigned>(__cvta_generic_to_shared(mma_planes));
+  const int64_t groups = (planes + NP - 1) / NP;
+  // Two buffers of planes where a block takes more than one group.
+  const int nbuf = gridDim.x < groups ? 2 : 1;
+  // Starts the copy of the block's k-th group into buffer k mod nbuf: the
+  // group's range of the source in pieces of Q bytes, piece i of the range
+  // to piece j of plane p (i = p * pieces + j).
+  const int pieces = g.in_bytes / g.in_q;
+  const auto copy_pieces = [&](auto q, const unsigned char* from, unsigned to,
+                               int np) {
+    constexpr int Q = decltype(q)::value;
+    for (int i = tid; i < np * pieces; i += kPlaneMmaThreads) {
+      const int p = g.plane_of(i), j = i - p * pieces;
+      StartCopyTo<Q, false>(to + p * g.pitch + Q * j, from + Q * i, true);
+    }
+  };
+  const auto copy_in = [&](int64_t group, int64_t k) {
+    const int64_t p0 = group * NP;
+    const int np = static_cast<int>(min(int64_t{NP}, planes - p0));
+    const unsigned char* const from =
+        reinterpret_cast<const unsigned char*>(src) + p0 * g.in_bytes;
+    const unsigned to = base + (k & (nbuf - 1)) * g.buffer + g.lead;
+    if (g.in_q == 16) {
+      copy_pieces(std::integral_constant<int, 16>{}, from, to, np);
+    } else if (g.in_q == 8) {
+      copy_pieces(std::integral_constant<int, 8>{}, from, to, np);
+    } else {
+      copy_pieces(std::integral_constant<int, 4>{}, from, to, np);
+    }
+    CommitCopies();
+  };
+  if (blockIdx.x < groups) copy_in(blockIdx.x, 0);
+  // Zeros around the planes of each buffer, before the first and after
+  // each, where the tiles' K sides reach past a plane's rows.
+  {
+    unsigned* const words = reinterpret_cast<unsigned*>(mma_planes);
+    const int gap = (g.pitch - g.in_bytes) / 4;
+    for (int k = 0; k < nbuf; ++k) {
+      unsigned* const buf = words + k * g.buffer / 4;
+      for (int i = tid; i < g.lead / 4; i += kPlaneMmaThreads) buf[i] = 0u;
+      for (int p = warp; p < NP; p += kPlaneMmaWarps) {
+        unsigned* const w = buf + (g.lead + p * g.pitch + g.in_bytes) / 4;
+        for (int i = lane; i < gap; i += 32) w[i] = 0u;
+      }
+    }
+  }
+  float* const row_f = reinterpret_cast<float*>(mma_planes + g.factors_at);
+  float* const col_f = row_f + g.dst_h;
+  if constexpr (!kShared) {
+    // 1 / factor of each destination row, then of each column.
+    for (int i = tid; i < g.dst_h + 8 * NT; i += kPlaneMmaThreads) {
+      const bool is_row = i < g.dst_h;
+      const int o = is_row ? i : i - g.dst_h;
+      row_f[i] =
+          o < (is_row ? g.dst_h : g.dst_w)
+              ? Reciprocal(WindowFactor<float>(
+                    a,
+                    is_row
+                        ? WindowAt(o, g.src_h, KH, 1, a.pad_top, a.pad_bottom)
+                        : WindowAt(o, g.src_w, KW, 1, a.pad_left, a.pad_right),
+                    is_row))
+              : 0.f;
+    }
+  }
+  // B of tile u: source column cs + 8u + k (cs = off_w rounded down to
+  // even) under destination column 8u + gq where it lies in that column's
+  // window and inside the source row.
+  const int shift = g.off_w & 1;
+  const int cs = g.off_w - shift;
+  unsigned b0[NT], b1[NT];
+#pragma unroll
+  for (int u = 0; u < NT; ++u) {
+    const auto one = [&](int k) {
+      const int d = k - gq - shift, c = cs + 8 * u + k;
+      return d >= 0 && d < KW && c >= 0 && c < g.src_w ? MmaOne<T>::kBits : 0u;
+    };
+    // Through an opaque move, as the lanes' addresses below: else the
+    // compiler computes them again at every use, some 30 instructions a
+    // product.
+    b0[u] = Opaque(one(2 * t) | one(2 * t + 1) << 16);
+    b1[u] = Opaque(one(2 * t + 8) | one(2 * t + 9) << 16);
+  }
+  // Lane (gq, t) reads planes gq and gq + 8, columns cs + 8h + 2t, + 1, and
+  // writes their destination columns 8u + 2t, + 1.
+  const unsigned lane_in =
+      Opaque(base + g.lead + gq * g.pitch + 2 * cs + 4 * t);
+  const unsigned lane_out = Opaque(base + g.out_at + gq * g.out_bytes + 4 * t);
+  const unsigned hi_in = 8 * g.pitch, hi_out = 8 * g.out_bytes;
+  const int row_in = 2 * g.src_w, row_out = 2 * g.dst_w;
+  const int steps = (g.dst_h + R - 1) / R;
+  for (int64_t group = blockIdx.x, k = 0; group < groups;
+       group += gridDim.x, ++k) {
+    const int64_t p0 = group * NP;
+    const int np = static_cast<int>(min(int64_t{NP}, planes - p0));
+    CopyWait<0>();
+    // This group's planes are in; every thread is done with the other
+    // buffer and the stage.
+    __syncthreads();
+    if (group + gridDim.x < groups) copy_in(group + gridDim.x, k + 1);
+    const unsigned in_k = lane_in + (k & (nbuf - 1)) * g.buffer;
+    // Planes past the group's last hold stale values: their sums land in
+    // the stage but are not copied out, and their flags are dropped.
+    unsigned flag_lo = 0, flag_hi = 0;
+    for (int st = warp; st < steps; st += kPlaneMmaWarps) {
+      // Destination rows o0 .. o0 + R - 1 add source rows r0 .. r0 + R +
+      // KH - 2, row i into the rows o whose window holds it.
+      const int o0 = R * st, r0 = o0 + g.off_h;
+      float acc[R][NT][4];
+      const auto add_row = [&](int i, unsigned at, auto first) {
+        // Each tile's four registers loaded on their own: shared with the
+        // neighbouring tile, they would be moved into place instead.
+        unsigned m[NT][4];
+#pragma unroll
+        for (int u = 0; u < NT; ++u) {
+          m[u][0] = LoadShared32(at + 16 * u);
+          m[u][1] = LoadShared32(at + hi_in + 16 * u);
+          m[u][2] = LoadShared32(at + 16 * u + 16);
+          m[u][3] = LoadShared32(at + hi_in + 16 * u + 16);
+        }
+#pragma unroll
+        for (int o = 0; o < R; ++o) {
+          if (i - o < 0 || i - o >= KH) continue;
+#pragma unroll
+          for (int u = 0; u < NT; ++u) {
+            MmaAdd<T>(acc[o][u], m[u][0], m[u][1], m[u][2], m[u][3], b0[u],
+                      b1[u], decltype(first)::value && i == o);
+          }
+        }
+      };
+      if (r0 >= 0 && r0 + R + KH - 1 <= g.src_h) {
+        // Every row inside the source: the first row of each sum starts it.
+        unsigned at = in_k + r0 * row_in;
+#pragma unroll
+        for (int i = 0; i < R + KH - 1; ++i, at += row_in) {
+          add_row(i, at, std::true_type{});
+        }
+      } else {
+#pragma unroll
+        for (int o = 0; o < R; ++o) {
+#pragma unroll
+          for (int u = 0; u < NT; ++u) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[o][u][e] = 0.f;
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < R + KH - 1; ++i) {
+          const int r = r0 + i;
+          if (r >= 0 && r < g.src_h) {
+            add_row(i, in_k + r * row_in, std::false_type{});
+          }
+        }
+      }
+#pragma unroll
+      for (int o = 0; o < R; ++o) {
+        const int oo = o0 + o;
+        if (oo >= g.dst_h) break;
+        const float fr = kShared ? shared.value : row_f[oo];
+        const unsigned row_at = lane_out + oo * row_out;
+#pragma unroll
+        for (int u = 0; u < NT; ++u) {
+          // Columns c and c + 1 (dst_w is even); only the last tile can
+          // reach past the row.
+          const int c = 8 * u + 2 * t;
+          if (u == NT - 1 && c >= g.dst_w) continue;
+          float f0 = fr, f1 = fr;
+          if constexpr (!kShared) {
+            f0 *= col_f[c];
+            f1 *= col_f[c + 1];
+          }
+          const unsigned v0 = Pack<T>(acc[o][u][0] * f0, acc[o][u][1] * f1);
+          const unsigned v1 = Pack<T>(acc[o][u][2] * f0, acc[o][u][3] * f1);
+          flag_lo = FiniteFlag<T>(v0, flag_lo);
+          flag_hi = FiniteFlag<T>(v1, flag_hi);
+          StoreShared32(row_at + 16 * u, v0);
+          StoreShared32(row_at + hi_out + 16 * u, v1);
+        }
+      }
+    }
+    const bool bad = (gq < np && flag_lo != 0) || (gq + 8 < np && flag_hi != 0);
+    if (__any_sync(0xffffffffu, bad)) {
+      // Element by element, the warp's rows of every plane.
+      __syncwarp();
+      const unsigned char* const in =
+          mma_planes + (k & (nbuf - 1)) * g.buffer + g.lead;
+      const int n = np * g.dst_w;
+      for (int st = warp; st < steps; st += kPlaneMmaWarps) {
+        for (int oo = R * st; oo < min(R * st + R, g.dst_h); ++oo) {
+          for (int e = lane; e < n; e += 32) {
+            const int p = e / g.dst_w, j = e - p * g.dst_w;
+            const T* const x = reinterpret_cast<const T*>(in + p * g.pitch);
+            float sum = 0.f;
+            for (int i = 0; i < KH; ++i) {
+              const int r = oo + g.off_h + i;
+              if (r < 0 || r >= g.src_h) continue;
+              for (int c = max(j + g.off_w, 0);
+                   c < min(j + g.off_w + KW, g.src_w); ++c) {
+                sum += Num<T>::Load(x[r * g.src_w + c]);
+              }
+            }
+            const float f = kShared ? shared.value : row_f[oo] * col_f[j];
+            reinterpret_cast<T*>(mma_planes + g.out_at +
+                                 p * g.out_bytes)[oo * g.dst_w + j] =
+                Num<T>::Store(sum * f);
+          }
+        }
+      }
+    }
+    __syncthreads();  // the stage holds the group's destination planes
+    // The copy out: the stage is the destination's range of these planes.
+    unsigned char* const to =
+        reinterpret_cast<unsigned char*>(dst) + p0 * g.out_bytes;
+    const unsigned char* const from = mma_planes + g.out_at;
+    const int bytes = np * g.out_bytes;
+    const int whole = bytes / 16;
+    for (int i = tid; i < whole; i += kPlaneMmaThreads) {
+      reinterpret_cast<uint4*>(to)[i] = reinterpret_cast<const uint4*>(from)[i];
+    }
+    for (int i = 16 * whole + 4 * tid; i < bytes; i += 4 * kPlaneMmaThreads) {
+      *reinterpret_cast<unsigned*>(to + i) =
+          *reinterpret_cast<const unsigned*>(from + i);
+    }
+  }
+#endif
+}
+
 // Whether the kernel was compiled for sm_80 or later (mma.sync, ldmatrix,
 // cp.async), as the code the device runs: a build for older targets alone
 // leaves its body empty, and the caller takes another kernel.
@@ -528,5 +846,109 @@ template bool LaunchMmaBoxNhwc<__nv_bfloat16, false>(
 template bool LaunchMmaBoxNhwc<__nv_bfloat16, true>(
     cudaStream_t, const PoolAttrs&, const PoolShape&, const __nv_bfloat16*,
     __nv_bfloat16*, cudaError_t&);
+
+template <typename T>
+bool LaunchMmaPlanesNchw(cudaStream_t stream, const PoolAttrs& a,
+                         const PoolShape& s, const T* src, T* dst,
+                         cudaError_t& error) {
+  return WithSpec(a, [&](auto spec) {
+    using S = decltype(spec);
+    if constexpr (!NhwcBox<S>() || S::KW > 8) {
+      return false;
+    } else {
+      constexpr int KW = S::KW;
+      if (a.layout != kNCHW) return false;
+      const int64_t H = s.in_h, W = s.in_w, OH = s.out_h, OW = s.out_w;
+      const int64_t off_w = -a.pad_left;
+      // Pairs of columns: rows of even width, and the K side starting at an
+      // even column that leaves the windows of a tile inside its 16.
+      if (W % 2 != 0 || OW % 2 != 0 || OW <= 16 || OW > 32 || OH < 1 ||
+          H > 64 || W > 64 || KW + (off_w & 1) > 9 || a.pad_top > 16 ||
+          a.pad_left > 16 || reinterpret_cast<uintptr_t>(src) % 4 != 0 ||
+          reinterpret_cast<uintptr_t>(dst) % 16 != 0) {
+        return false;
+      }
+      const auto launch = [&](auto nt) {
+        constexpr int NT = decltype(nt)::value;
+        MmaPlaneGeom g;
+        const int64_t cs = off_w - (off_w & 1);
+        const int64_t in_bytes = 2 * H * W;
+        // Bytes a plane's tiles read: from column cs of its first row to
+        // 16 (NT + 1) bytes further in its last.
+        const int64_t reach =
+            std::max(in_bytes, 2 * ((H - 1) * W + cs) + 16 * (NT + 1));
+        int64_t pitch = (reach + 15) / 16 * 16;
+        if (pitch % 32 == 0) pitch += 16;  // an odd multiple of 16 bytes
+        g.src_h = static_cast<int>(H);
+        g.src_w = static_cast<int>(W);
+        g.dst_h = static_cast<int>(OH);
+        g.dst_w = static_cast<int>(OW);
+        g.off_h = static_cast<int>(-a.pad_top);
+        g.off_w = static_cast<int>(off_w);
+        g.lead =
+            static_cast<int>(std::max<int64_t>(16, (-2 * cs + 15) / 16 * 16));
+        g.pitch = static_cast<int>(pitch);
+        g.buffer = g.lead + kPlaneMmaPlanes * g.pitch;
+        g.in_bytes = static_cast<int>(in_bytes);
+        int q = 16;
+        while (q > 4 && (in_bytes % q != 0 ||
+                         reinterpret_cast<uintptr_t>(src) % q != 0)) {
+          q /= 2;
+        }
+        g.in_q = q;
+        g.plane_of = FastDiv::Of(static_cast<uint32_t>(in_bytes / q));
+        g.out_bytes = static_cast<int>(2 * OH * OW);
+        g.out_at = 2 * g.buffer;
+        g.factors_at =
+            g.out_at + (kPlaneMmaPlanes * g.out_bytes + 15) / 16 * 16;
+        const size_t smem =
+            static_cast<size_t>(g.factors_at) + (OH + 8 * NT) * sizeof(float);
+        if (smem > kPlaneMmaMaxShared) return false;
+        const SharedFactor<float> shared = SharedFactorOf<float>(a, s);
+        const auto kernel = shared.all ? MmaPlanesNchw<T, S, NT, true>
+                                       : MmaPlanesNchw<T, S, NT, false>;
+        if (!MmaCompiled(kernel)) return false;
+        const int64_t groups = Groups(s.batch * s.channels, kPlaneMmaPlanes);
+        error = cudaSuccess;
+        if (groups == 0) return true;
+        if (smem > 48 * 1024) {
+          error = cudaFuncSetAttribute(
+              kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+              static_cast<int>(smem));
+          if (error != cudaSuccess) return true;
+        }
+        // As many blocks as stay resident together, each looping over
+        // groups of planes with the next group's copy in flight.
+        int device = 0, sms = 0, per_sm = 0;
+        error = cudaGetDevice(&device);
+        if (error == cudaSuccess) {
+          error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount,
+                                         device);
+        }
+        if (error == cudaSuccess) {
+          error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+              &per_sm, kernel, kPlaneMmaThreads, smem);
+        }
+        if (error != cudaSuccess) return true;
+        const int64_t blocks = int64_t{sms} * per_sm;
+        if (groups < kPlaneMmaMinLoops * blocks) return false;
+        kernel<<<static_cast<unsigned>(blocks), kPlaneMmaThreads, smem,
+                 stream>>>(a, g, src, dst, shared, s.batch * s.channels);
+        error = cudaGetLastError();
+        return true;
+      };
+      return OW <= 24 ? launch(std::integral_constant<int, 3>{})
+                      : launch(std::integral_constant<int, 4>{});
+    }
+  });
+}
+
+template bool LaunchMmaPlanesNchw<__half>(cudaStream_t, const PoolAttrs&,
+                                          const PoolShape&, const __half*,
+                                          __half*, cudaError_t&);
+template bool LaunchMmaPlanesNchw<__nv_bfloat16>(cudaStream_t, const PoolAttrs&,
+                                                 const PoolShape&,
+                                                 const __nv_bfloat16*,
+                                                 __nv_bfloat16*, cudaError_t&);
 
 }  // namespace jax_avgpool::cuda

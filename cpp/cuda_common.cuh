@@ -475,6 +475,12 @@ bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
                       const PoolShape& s, const T* src, T* dst,
                       cudaError_t& error);
 
+// The NCHW forward's counterpart (also cuda_box_mma.cu), alike.
+template <typename T>
+bool LaunchMmaPlanesNchw(cudaStream_t stream, const PoolAttrs& a,
+                         const PoolShape& s, const T* src, T* dst,
+                         cudaError_t& error);
+
 }  // namespace jax_avgpool::cuda
 
 #endif  // JAX_AVGPOOL_CUDA_COMMON_CUH_

@@ -21,7 +21,9 @@
 //   four columns walks down its plane with its sums in registers (the 16-bit
 //   forwards, the 16-bit and float32 gathers; see "strips of registers");
 //   else the forward, and the 16-bit gathers, as two separable passes
-//   through shared memory (see "whole planes in shared memory").
+//   through shared memory (see "whole planes in shared memory"). The 16-bit
+//   forwards of calls of many planes with rows of 18 to 32 columns take the
+//   sums on the tensor cores instead (cuda_box_mma.cu).
 // - Direct NCHW kernels for every other call: grid-stride loops over BLOCK
 //   adjacent outputs or inputs along W, and a shared-memory tiled gather for
 //   heavily overlapping generic windows.
@@ -2995,6 +2997,12 @@ cudaError_t LaunchForward(cudaStream_t stream, DType dtype, const PoolAttrs& a,
                     groups = Groups(s.out_w, S::BLOCK);
       if constexpr (PlaneSpec<S>()) {
         cudaError_t err = cudaSuccess;
+        if constexpr (sizeof(T) == 2) {
+          // The tensor-core plane kernel, where it applies.
+          if (LaunchMmaPlanesNchw<T>(stream, a, s, in, out, err)) {
+            return err;
+          }
+        }
         if (LaunchStrips<T, S, false>(stream, a, s, in, out, err)) return err;
         if (LaunchPlanes<T, S, false>(stream, a, s, in, out, err)) return err;
       }

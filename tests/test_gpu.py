@@ -448,35 +448,76 @@ def _tensor_core_box_cases() -> list:
         ((2, 64, 28, 28), 0, {}),
         ((16, 96, 28, 28), 0, {}),
     )
+    return _low_precision_7x7(calls, "NHWC")
+
+
+def _low_precision_7x7(calls: tuple, layout: str) -> list:
+    """7x7/1 cases of (NCHW shape, padding, other arguments) in each 16-bit dtype."""
     return [
-        _param(TorchCase(shape, 7, 1, pad, layout="NHWC", **extra), dtype)
+        _param(TorchCase(shape, 7, 1, pad, layout=layout, **extra), dtype)
         for dtype in LOW_PRECISION
         for shape, pad, extra in calls
     ]
 
 
-@pytest.mark.parametrize(("case", "dtype"), _tensor_core_box_cases())
+def _tensor_core_plane_cases() -> list:
+    """7x7/1 NCHW forwards of 16-bit types with rows of even width, destination
+    rows 18 to 32 wide and at least two groups of 16 planes for each resident
+    block (at least 12,672 planes on an H200), which the tensor-core plane
+    kernel takes: planes of 28x28 at paddings 0 to 2 (K sides starting at even
+    and odd columns, tiles of 24 and 32 columns) and each divisor rule, with
+    ceil_mode; a last group of 13 planes; rows of 30 columns; and calls it
+    leaves to the other kernels (too few planes, an odd width, destination rows
+    of 16 columns). The gathers of these calls run on the other kernels."""
+    calls = (
+        ((64, 256, 28, 28), 0, {}),
+        ((64, 256, 28, 28), 1, {}),
+        ((64, 256, 28, 28), 2, {"count_include_pad": False}),
+        ((64, 256, 26, 26), 3, {"divisor_override": 11}),
+        ((65, 253, 28, 28), 1, {"ceil_mode": True}),
+        ((64, 256, 24, 30), 1, {}),
+        ((2, 8, 28, 28), 0, {}),
+        ((64, 256, 28, 27), 0, {}),
+        ((64, 256, 20, 20), 0, {}),
+    )
+    return _low_precision_7x7(calls, "NCHW")
+
+
+@pytest.mark.parametrize(("case", "dtype"), _tensor_core_box_cases() + _tensor_core_plane_cases())
 def test_tensor_core_box_filter_on_gpu_matches_oracle(
     case: TorchCase, dtype: np.dtype, gpu: jax.Device, rng: np.random.Generator
 ) -> None:
-    """Window sums by mma.sync with a 0/1 matrix: forward and gather against the
-    oracle, the gather bitwise repeatable."""
+    """Window sums by mma.sync with a 0/1 matrix (of 16 channels in NHWC, of 16
+    planes in NCHW): forward and gather against the oracle, the gather bitwise
+    repeatable."""
     _check_forward_and_gather(case, dtype, gpu, rng)
 
 
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_name)
 def test_tensor_core_box_filter_keeps_infinities_and_nans(
-    dtype: np.dtype, gpu: jax.Device, rng: np.random.Generator
+    dtype: np.dtype, layout: str, gpu: jax.Device, rng: np.random.Generator
 ) -> None:
     """On the tensor cores an infinity or NaN times one of the 0/1 matrix's zeros
     is NaN, which would spoil the sums of windows that do not hold it: the
     forward and gather must still equal the CPU's, infinities, NaNs (inf - inf
-    in one window) and finite sums beside them alike."""
-    case = TorchCase((16, 64, 28, 28), 7, 1, 3, layout="NHWC")
+    in one window) and finite sums beside them alike. In NCHW the tiles also
+    reach into the neighbouring rows of a plane, here the row above an
+    infinity at the start of a row."""
+    # In NCHW, padding 1 and enough planes for the plane kernel's forward.
+    shape, pad = ((64, 256, 28, 28), 1) if layout == "NCHW" else ((16, 64, 28, 28), 3)
+    case = TorchCase(shape, 7, 1, pad, layout=layout)
     x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
+    spots = (  # (image, channel, row, column)
+        ((0, 7, 3, 5), np.inf),
+        ((0, 7, 6, 9), -np.inf),
+        ((1, 40, 20, 22), -np.inf),
+        ((1, 63, 2, 2), np.nan),
+        ((2, 0, 9, 0), np.inf),
+    )
     for a in (x, g):
-        a[0, 3, 5, 7], a[0, 6, 9, 7] = np.inf, -np.inf
-        a[1, 20, 26, 40], a[1, 2, 2, 63] = -np.inf, np.nan
+        for (n, c, i, j), value in spots:
+            a[(n, c, i, j) if layout == "NCHW" else (n, i, j, c)] = value
     cpu = jax.devices("cpu")[0]
     with dtype_mode(dtype):
         on_gpu = _forward_and_gradients(case, *_on(gpu, x, g))[:2]
