@@ -890,13 +890,8 @@ bool LaunchMmaPlanesNchw(cudaStream_t stream, const PoolAttrs& a,
         g.pitch = static_cast<int>(pitch);
         g.buffer = g.lead + kPlaneMmaPlanes * g.pitch;
         g.in_bytes = static_cast<int>(in_bytes);
-        int q = 16;
-        while (q > 4 && (in_bytes % q != 0 ||
-                         reinterpret_cast<uintptr_t>(src) % q != 0)) {
-          q /= 2;
-        }
-        g.in_q = q;
-        g.plane_of = FastDiv::Of(static_cast<uint32_t>(in_bytes / q));
+        g.in_q = PieceOf(in_bytes, src, 4);
+        g.plane_of = FastDiv::Of(static_cast<uint32_t>(in_bytes / g.in_q));
         g.out_bytes = static_cast<int>(2 * OH * OW);
         g.out_at = 2 * g.buffer;
         g.factors_at =
@@ -919,19 +914,10 @@ bool LaunchMmaPlanesNchw(cudaStream_t stream, const PoolAttrs& a,
         }
         // As many blocks as stay resident together, each looping over
         // groups of planes with the next group's copy in flight.
-        int device = 0, sms = 0, per_sm = 0;
-        error = cudaGetDevice(&device);
-        if (error == cudaSuccess) {
-          error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount,
-                                         device);
-        }
-        if (error == cudaSuccess) {
-          error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-              &per_sm, kernel, kPlaneMmaThreads, smem);
-        }
+        int64_t blocks = 0;
+        error = ResidentBlocks(kernel, kPlaneMmaThreads, smem, blocks);
         if (error != cudaSuccess) return true;
-        const int64_t blocks = int64_t{sms} * per_sm;
-        if (groups < kPlaneMmaMinLoops * blocks) return false;
+        if (blocks < 1 || groups < kPlaneMmaMinLoops * blocks) return false;
         kernel<<<static_cast<unsigned>(blocks), kPlaneMmaThreads, smem,
                  stream>>>(a, g, src, dst, shared, s.batch * s.channels);
         error = cudaGetLastError();

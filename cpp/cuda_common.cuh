@@ -452,6 +452,35 @@ cudaError_t Launch(void (*kernel)(KArgs...), cudaStream_t stream, int64_t total,
 
 inline int64_t Groups(int64_t n, int block) { return (n + block - 1) / block; }
 
+// The largest piece, of 16 bytes or fewer and at least `element`, that
+// divides `bytes` and the alignment of `p`.
+inline int PieceOf(int64_t bytes, const void* p, int64_t element) {
+  int64_t q = 16;
+  while (q > element &&
+         (bytes % q != 0 || reinterpret_cast<uintptr_t>(p) % q != 0)) {
+    q /= 2;
+  }
+  return static_cast<int>(q);
+}
+
+// How many blocks of `kernel` (threads and dynamic shared memory as given)
+// stay resident together on the current device, into `blocks`.
+template <typename Kernel>
+cudaError_t ResidentBlocks(Kernel kernel, int threads, size_t smem,
+                           int64_t& blocks) {
+  int device = 0, sms = 0, per_sm = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  }
+  if (err == cudaSuccess) {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel,
+                                                        threads, smem);
+  }
+  blocks = int64_t{sms} * per_sm;
+  return err;
+}
+
 template <typename Fn>
 cudaError_t WithType(DType dtype, Fn&& fn) {
   switch (dtype) {

@@ -2326,17 +2326,10 @@ bool LaunchPlaneKernel(cudaStream_t stream, const PoolAttrs& a,
     return true;
   }
   const auto kernel = PlanesNchw<T, S, kGather>;
-  int device = 0, sms = 0, per_sm = 0;
-  err = cudaGetDevice(&device);
-  if (err == cudaSuccess) {
-    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  }
-  if (err == cudaSuccess) {
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel,
-                                                        kThreads, g.bytes);
-  }
+  int64_t resident = 0;
+  err = ResidentBlocks(kernel, kThreads, g.bytes, resident);
   if (err != cudaSuccess) return true;
-  const int64_t resident = std::max<int64_t>(int64_t{sms} * per_sm, 1);
+  resident = std::max<int64_t>(resident, 1);
   const unsigned grid = static_cast<unsigned>(
       std::min<int64_t>(std::min(groups, resident), INT32_MAX));
   kernel<<<grid, kThreads, g.bytes, stream>>>(a, s, src, dst, g, shared,
@@ -2622,17 +2615,6 @@ __global__ void __launch_bounds__(kStripThreads, kStripBlocks)
       for (int b = 0; b < B; ++b) h[u][b] = h[u + G][b];
     }
   }
-}
-
-// The largest piece, of 16 bytes or fewer and at least `element`, that
-// divides `bytes` and the alignment of `p`.
-inline int PieceOf(int64_t bytes, const void* p, int64_t element) {
-  int64_t q = 16;
-  while (q > element &&
-         (bytes % q != 0 || reinterpret_cast<uintptr_t>(p) % q != 0)) {
-    q /= 2;
-  }
-  return static_cast<int>(q);
 }
 
 // Whether a StripsNchw call loads its source columns in aligned pairs: rows
