@@ -197,7 +197,7 @@ __device__ __forceinline__ unsigned FiniteFlag(unsigned v, unsigned flag) {
   return bits;
 }
 
-template <typename T, typename S, bool kGather, int NT, int P>
+template <typename T, typename S, bool kGather, int NT, int P, bool kAdd>
 __global__ void __launch_bounds__(kMmaThreads, 4)
     MmaBoxNhwc(const PoolAttrs a, const PoolShape s, const T* __restrict__ src,
                T* __restrict__ dst, const int rows,
@@ -330,9 +330,13 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
 #pragma unroll
         for (int i = 0; i < kOutCopies; ++i) {
           if (out_ok & 1u << i) {
-            *reinterpret_cast<uint4*>(q + i * pixel_step) =
-                *reinterpret_cast<const uint4*>(from_stage + o * kStageRow +
-                                                i * 16 * kPixelBytes);
+            const uint4 bits = *reinterpret_cast<const uint4*>(
+                from_stage + o * kStageRow + i * 16 * kPixelBytes);
+            if constexpr (kAdd) {
+              AtomicAdd16(q + i * pixel_step, bits);
+            } else {
+              *reinterpret_cast<uint4*>(q + i * pixel_step) = bits;
+            }
           }
         }
       }
@@ -441,6 +445,8 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
             s1 += Num<T>::Load(x[1]);
           }
         }
+        // kAdd: a plain store, after this block's atomics to the element,
+        // its only ones (ordered by the barrier above).
         const float f = shared.all ? shared.value : row_f[oi] * col_f[jc];
         *reinterpret_cast<unsigned*>(y0 + oi * out_step + jc * C + 2 * e) =
             Pack<T>(s0 * f, s1 * f);
@@ -784,7 +790,7 @@ bool MmaCompiled(Kernel kernel) {
 
 }  // namespace
 
-template <typename T, bool kGather>
+template <typename T, bool kGather, bool kAdd>
 bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
                       const PoolShape& s, const T* src, T* dst,
                       cudaError_t& error) {
@@ -805,10 +811,11 @@ bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
       const auto launch = [&](auto nt, auto pp) {
         constexpr int NT = decltype(nt)::value;
         constexpr int P = decltype(pp)::value;
-        const auto kernel = MmaBoxNhwc<T, S, kGather, NT, P>;
+        const auto kernel = MmaBoxNhwc<T, S, kGather, NT, P, kAdd>;
         const int64_t items = s.batch * Groups(dst_h, rows) *
                               Groups(dst_w, 8 * NT) * (s.channels / 64);
         if (items < kMmaMinItems || !MmaCompiled(kernel)) return false;
+        if (kAdd && KernelArch(kernel) < 90) return false;
         const size_t smem =
             static_cast<size_t>(MmaRing<S>(P)) * (8 * NT + 8) * kPixelBytes +
             static_cast<size_t>(2 * kMmaRows) * 8 * NT * kPixelBytes +
@@ -817,6 +824,14 @@ bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
             kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
             static_cast<int>(smem));
         if (error != cudaSuccess) return true;
+        if constexpr (kAdd) {
+          error = cudaMemsetAsync(
+              dst, 0,
+              static_cast<size_t>(s.batch * s.in_h * s.in_w * s.channels) *
+                  sizeof(T),
+              stream);
+          if (error != cudaSuccess) return true;
+        }
         const unsigned grid =
             static_cast<unsigned>(std::min<int64_t>(items, INT32_MAX));
         kernel<<<grid, kMmaThreads, smem, stream>>>(a, s, src, dst, rows,
@@ -834,16 +849,28 @@ bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
   });
 }
 
-template bool LaunchMmaBoxNhwc<__half, false>(cudaStream_t, const PoolAttrs&,
-                                              const PoolShape&, const __half*,
-                                              __half*, cudaError_t&);
-template bool LaunchMmaBoxNhwc<__half, true>(cudaStream_t, const PoolAttrs&,
-                                             const PoolShape&, const __half*,
-                                             __half*, cudaError_t&);
-template bool LaunchMmaBoxNhwc<__nv_bfloat16, false>(
+template bool LaunchMmaBoxNhwc<__half, false, false>(cudaStream_t,
+                                                     const PoolAttrs&,
+                                                     const PoolShape&,
+                                                     const __half*, __half*,
+                                                     cudaError_t&);
+template bool LaunchMmaBoxNhwc<__half, true, false>(cudaStream_t,
+                                                    const PoolAttrs&,
+                                                    const PoolShape&,
+                                                    const __half*, __half*,
+                                                    cudaError_t&);
+template bool LaunchMmaBoxNhwc<__half, true, true>(cudaStream_t,
+                                                   const PoolAttrs&,
+                                                   const PoolShape&,
+                                                   const __half*, __half*,
+                                                   cudaError_t&);
+template bool LaunchMmaBoxNhwc<__nv_bfloat16, false, false>(
     cudaStream_t, const PoolAttrs&, const PoolShape&, const __nv_bfloat16*,
     __nv_bfloat16*, cudaError_t&);
-template bool LaunchMmaBoxNhwc<__nv_bfloat16, true>(
+template bool LaunchMmaBoxNhwc<__nv_bfloat16, true, false>(
+    cudaStream_t, const PoolAttrs&, const PoolShape&, const __nv_bfloat16*,
+    __nv_bfloat16*, cudaError_t&);
+template bool LaunchMmaBoxNhwc<__nv_bfloat16, true, true>(
     cudaStream_t, const PoolAttrs&, const PoolShape&, const __nv_bfloat16*,
     __nv_bfloat16*, cudaError_t&);
 

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda_kernels.h"
 #include "kernel_spec.h"
@@ -290,6 +291,46 @@ __device__ __forceinline__ void CopyWait() {
 #endif
 }
 
+// Adds the 16 bytes of T values in `bits` to global `to` (16-byte aligned)
+// with atomics: one vector reduction on sm_90 (float32, or 16-bit pairs),
+// else one atomic per 16-bit pair or per element.
+template <typename T>
+__device__ __forceinline__ void AtomicAdd16(T* to, const uint4& bits) {
+  static_assert(sizeof(T) == 2 || sizeof(T) == 4);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const size_t at = __cvta_generic_to_global(to);
+  if constexpr (std::is_same_v<T, float>) {
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(at),
+                 "f"(__uint_as_float(bits.x)), "f"(__uint_as_float(bits.y)),
+                 "f"(__uint_as_float(bits.z)), "f"(__uint_as_float(bits.w))
+                 : "memory");
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "red.global.add.noftz.v4.bf16x2 [%0], {%1, %2, %3, %4};" ::"l"(at),
+        "r"(bits.x), "r"(bits.y), "r"(bits.z), "r"(bits.w)
+        : "memory");
+  } else {
+    asm volatile(
+        "red.global.add.noftz.v4.f16x2 [%0], {%1, %2, %3, %4};" ::"l"(at),
+        "r"(bits.x), "r"(bits.y), "r"(bits.z), "r"(bits.w)
+        : "memory");
+  }
+#else
+  const unsigned w[4] = {bits.x, bits.y, bits.z, bits.w};
+  for (int k = 0; k < 4; ++k) {
+    if constexpr (sizeof(T) == 4) {
+      atomicAdd(reinterpret_cast<float*>(to) + k, __uint_as_float(w[k]));
+    } else {
+      using Pair = std::conditional_t<std::is_same_v<T, __half>, __half2,
+                                      __nv_bfloat162>;
+      Pair p;
+      memcpy(&p, &w[k], sizeof(p));
+      atomicAdd(reinterpret_cast<Pair*>(to) + k, p);
+    }
+  }
+#endif
+}
+
 // ---------------------------------------------------------------------------
 // Constants: compile-time for a specialisation, runtime for the generic
 // kernel.
@@ -481,6 +522,18 @@ cudaError_t ResidentBlocks(Kernel kernel, int threads, size_t smem,
   return err;
 }
 
+// The architecture of the code the device runs for `kernel` (binary
+// version, major * 10 + minor), 0 where the runtime cannot say.
+template <typename Kernel>
+int KernelArch(Kernel kernel) {
+  cudaFuncAttributes attrs;
+  if (cudaFuncGetAttributes(&attrs, kernel) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return attrs.binaryVersion;
+}
+
 template <typename Fn>
 cudaError_t WithType(DType dtype, Fn&& fn) {
   switch (dtype) {
@@ -499,7 +552,9 @@ cudaError_t WithType(DType dtype, Fn&& fn) {
 // The NHWC stride-1 box filter of 16-bit types on the tensor cores
 // (cuda_box_mma.cu): launches it and returns true where it applies, the
 // launch's error in `error`; returns false, launching nothing, elsewhere.
-template <typename T, bool kGather>
+// kAdd (gathers, on sm_90 builds): the scatter, zeroing dst on the stream
+// first and adding each result to it with atomics (LaunchAddingGather).
+template <typename T, bool kGather, bool kAdd = false>
 bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
                       const PoolShape& s, const T* src, T* dst,
                       cudaError_t& error);
@@ -509,6 +564,16 @@ template <typename T>
 bool LaunchMmaPlanesNchw(cudaStream_t stream, const PoolAttrs& a,
                          const PoolShape& s, const T* src, T* dst,
                          cudaError_t& error);
+
+// The scatter of 7x7/1-like windows by the gather's kernels, adding their
+// results to a zeroed dx with atomics in place of their stores
+// (cuda_kernels.cu; StripsNchw in NCHW, MmaBoxNhwc and BoxNhwc in NHWC, on
+// sm_90 builds): zeroes dx and launches one where it applies, returning
+// true and the first error in `error`; returns false, launching nothing,
+// elsewhere.
+bool LaunchAddingGather(cudaStream_t stream, DType dtype, const PoolAttrs& a,
+                        const PoolShape& s, const void* dy, void* dx,
+                        cudaError_t& error);
 
 }  // namespace jax_avgpool::cuda
 

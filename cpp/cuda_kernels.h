@@ -27,9 +27,10 @@ cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
 // The target is dx for float32 and float64. For 16-bit types it is dx
 // itself where the shared-memory tiles of cuda_scatter.cu apply with aligned
 // runs of four elements and one atomic per dx element (their float32 sums
-// rounded and added by 16-bit atomics), else `workspace`, a float32
-// buffer of dx's shape, narrowed into dx afterwards (nullptr is an error
-// there).
+// rounded and added by 16-bit atomics), or where a gather kernel adds its
+// results to dx with one atomic per element (7x7/1-like windows on sm_90;
+// cuda_kernels.cu), else `workspace`, a float32 buffer of dx's shape,
+// narrowed into dx afterwards (nullptr is an error there).
 cudaError_t LaunchBackwardScatter(cudaStream_t stream, DType dtype,
                                   const PoolAttrs& a, const PoolShape& s,
                                   const void* dy, void* dx, void* workspace);

@@ -1,6 +1,8 @@
 // CUDA scatter backward: the target (dx, or the float32 workspace of a
 // 16-bit dx) is zeroed, then each dy / divisor is added with atomics to every
-// element of its window. See cuda_kernels.h. Where the tiles below apply
+// element of its window. See cuda_kernels.h. Stride-1 windows of 5 and more
+// on sm_90 first try the gather's kernels adding their results to a zeroed
+// dx (LaunchAddingGather, cuda_kernels.cu). Where the tiles below apply
 // with aligned runs of four elements and give each dx element a single
 // atomic, a 16-bit dx is the target itself: each tile's float32 sums are
 // rounded and added by 16-bit atomics, four elements at a time on sm_90.
@@ -1272,6 +1274,10 @@ bool ScatterNeedsWorkspace(DType dtype, const PoolAttrs& a,
 cudaError_t LaunchBackwardScatter(cudaStream_t stream, DType dtype,
                                   const PoolAttrs& a, const PoolShape& s,
                                   const void* dy, void* dx, void* workspace) {
+  if (s.batch * s.channels * s.out_h * s.out_w > 0) {
+    cudaError_t err = cudaSuccess;
+    if (LaunchAddingGather(stream, dtype, a, s, dy, dx, err)) return err;
+  }
   return WithType(dtype, [&](auto tag) {
     using T = decltype(tag);
     using Acc = typename Num<T>::Acc;

@@ -393,16 +393,18 @@ def _scatter_tile_cases() -> list:
     the last group of planes partial; bands of rows in tall planes; chunks of
     columns in wide rows; NHWC channel slices. Strided windows and float32
     tiles of whole planes prefetch their dx lines into L2 (as one range, one
-    per plane, one per row or one per position), the rest do not."""
+    per plane, one per row or one per position), the rest do not. The 7x7/1
+    calls are ones that the gather's kernels leave to the tiles (an odd left
+    padding in NCHW, channels not in fours in NHWC)."""
     configs = (
         ((5, 461, 9, 10), 3, 2, 1, {}),
-        ((3, 700, 28, 28), 7, 1, 0, {}),
+        ((3, 700, 28, 28), 7, 1, 1, {}),
         ((3, 700, 28, 28), 7, 1, 3, {"count_include_pad": False}),
         ((1, 2, 600, 20), 3, 2, 0, {}),
         ((1, 2, 600, 20), 3, 1, 1, {"divisor_override": 7}),
         ((1, 3, 40, 1000), 2, 2, 0, {"ceil_mode": True}),
         ((2, 96, 14, 15), 3, 2, 1, {"layout": "NHWC"}),
-        ((2, 40, 30, 17), 7, 1, 2, {"layout": "NHWC", "count_include_pad": False}),
+        ((2, 42, 30, 17), 7, 1, 2, {"layout": "NHWC", "count_include_pad": False}),
     )
     params = []
     for i, (shape, k, s, pad, extra) in enumerate(configs):
@@ -425,6 +427,62 @@ def test_scatter_tiles_on_gpu_match_oracle(
     with dtype_mode(dtype):
         dx = jax.jit(pull)(*_on(gpu, x, g))
     assert_close(dx, case.oracle_vjp(g), dtype, "scatter gradient")
+
+
+def _adding_gather_cases() -> list:
+    """7x7/1 scatters that, on sm_90, the gather's kernels take, adding their
+    results to the zeroed dx with atomics (shapes in NCHW order), each with
+    whether they do: NCHW planes of the strip kernel (windows sharing a divisor,
+    an even left padding, rows of whole 4-column strips, planes of whole
+    16-byte pieces), 4 to 2 planes a warp and a partial last warp, at paddings 0
+    and 2 and with a divisor override; NHWC float32 (the box filter, every
+    padding and divisor rule, ceil_mode); NHWC 16-bit (the tensor-core box
+    filter, windows sharing a divisor, channels in 64s). Then calls left to the
+    tiles: an odd left padding, 16-bit planes of 1512 bytes (float32 ones of
+    3024 are taken), NHWC 16-bit channels not in 64s."""
+    nchw, nhwc, low = "NCHW", "NHWC", LOW_PRECISION
+    every = (*LOW_PRECISION, F32)
+    calls = (
+        ((2, 6, 28, 28), 0, {}, nchw, every, True),
+        ((2, 5, 28, 28), 2, {}, nchw, every, True),
+        ((3, 3, 32, 32), 2, {"divisor_override": 11}, nchw, every, True),
+        ((1, 7, 20, 24), 0, {}, nchw, every, True),
+        ((2, 64, 28, 28), 0, {}, nhwc, (F32,), True),
+        ((2, 16, 30, 26), 3, {"count_include_pad": False}, nhwc, (F32,), True),
+        ((3, 8, 33, 20), 1, {"ceil_mode": True, "divisor_override": 5}, nhwc, (F32,), True),
+        ((16, 64, 28, 28), 0, {}, nhwc, low, True),
+        ((16, 64, 28, 28), 3, {"divisor_override": 11}, nhwc, low, True),
+        ((2, 128, 45, 70), 3, {}, nhwc, low, True),
+        ((2, 6, 28, 28), 1, {}, nchw, every, False),
+        ((2, 3, 27, 28), 0, {}, nchw, low, False),
+        ((2, 3, 27, 28), 0, {}, nchw, (F32,), True),
+        ((16, 96, 28, 28), 0, {}, nhwc, low, False),
+    )
+    return [
+        pytest.param(
+            TorchCase(shape, 7, 1, pad, layout=layout, **extra),
+            dtype,
+            taken,
+            id=f"{TorchCase(shape, 7, 1, pad, layout=layout, **extra)}-{dtype_name(dtype)}",
+        )
+        for shape, pad, extra, layout, dtypes, taken in calls
+        for dtype in dtypes
+    ]
+
+
+@pytest.mark.parametrize(("case", "dtype", "taken"), _adding_gather_cases())
+def test_scatter_by_the_gather_kernels_on_gpu(
+    case: TorchCase, dtype: np.dtype, taken: bool, gpu: jax.Device, rng: np.random.Generator
+) -> None:
+    """The scatter against the oracle; where the gather's kernels take it (on
+    sm_90 and later), each dx element gets one atomic, onto zero, so dx is the
+    gather's, bitwise."""
+    x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
+    with dtype_mode(dtype):
+        _, dx_gather, dx_scatter = _forward_and_gradients(case, *_on(gpu, x, g))
+    assert_close(dx_scatter, case.oracle_vjp(g), dtype, "scatter gradient")
+    if taken and float(getattr(gpu, "compute_capability", "0")) >= 9:
+        np.testing.assert_array_equal(np.asarray(dx_scatter), np.asarray(dx_gather))
 
 
 def _tensor_core_box_cases() -> list:
@@ -500,8 +558,9 @@ def test_tensor_core_box_filter_keeps_infinities_and_nans(
 ) -> None:
     """On the tensor cores an infinity or NaN times one of the 0/1 matrix's zeros
     is NaN, which would spoil the sums of windows that do not hold it: the
-    forward and gather must still equal the CPU's, infinities, NaNs (inf - inf
-    in one window) and finite sums beside them alike. In NCHW the tiles also
+    forward and both gradients (in NHWC the scatter adds the same sums to dx)
+    must still equal the CPU's, infinities, NaNs (inf - inf in one window) and
+    finite sums beside them alike. In NCHW the tiles also
     reach into the neighbouring rows of a plane, here the row above an
     infinity at the start of a row."""
     # In NCHW, padding 1 and enough planes for the plane kernel's forward.
@@ -520,9 +579,10 @@ def test_tensor_core_box_filter_keeps_infinities_and_nans(
             a[(n, c, i, j) if layout == "NCHW" else (n, i, j, c)] = value
     cpu = jax.devices("cpu")[0]
     with dtype_mode(dtype):
-        on_gpu = _forward_and_gradients(case, *_on(gpu, x, g))[:2]
-        on_cpu = _forward_and_gradients(case, *_on(cpu, x, g))[:2]
-    for what, got, want in zip(("forward", "gather gradient"), on_gpu, on_cpu, strict=True):
+        on_gpu = _forward_and_gradients(case, *_on(gpu, x, g))
+        on_cpu = _forward_and_gradients(case, *_on(cpu, x, g))
+    whats = ("forward", "gather gradient", "scatter gradient")
+    for what, got, want in zip(whats, on_gpu, on_cpu, strict=True):
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
         assert np.isinf(want).any() and np.isnan(want).any(), what
         np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=what)
