@@ -780,12 +780,8 @@ __global__ void __launch_bounds__(kPlaneMmaThreads, 3)
 // leaves its body empty, and the caller takes another kernel.
 template <typename Kernel>
 bool MmaCompiled(Kernel kernel) {
-  cudaFuncAttributes attrs;
-  if (cudaFuncGetAttributes(&attrs, kernel) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return attrs.ptxVersion >= 80 && attrs.binaryVersion >= 80;
+  const KernelCode code = CodeOf(kernel);
+  return code.ptx >= 80 && code.binary >= 80;
 }
 
 }  // namespace
@@ -815,7 +811,7 @@ bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
         const int64_t items = s.batch * Groups(dst_h, rows) *
                               Groups(dst_w, 8 * NT) * (s.channels / 64);
         if (items < kMmaMinItems || !MmaCompiled(kernel)) return false;
-        if (kAdd && KernelArch(kernel) < 90) return false;
+        if (kAdd && CodeOf(kernel).binary < 90) return false;
         const size_t smem =
             static_cast<size_t>(MmaRing<S>(P)) * (8 * NT + 8) * kPixelBytes +
             static_cast<size_t>(2 * kMmaRows) * 8 * NT * kPixelBytes +

@@ -522,16 +522,19 @@ cudaError_t ResidentBlocks(Kernel kernel, int threads, size_t smem,
   return err;
 }
 
-// The architecture of the code the device runs for `kernel` (binary
-// version, major * 10 + minor), 0 where the runtime cannot say.
+// The architecture of the code the device runs for `kernel`: the PTX and
+// binary versions (major * 10 + minor), zeros where the runtime cannot say.
+struct KernelCode {
+  int ptx, binary;
+};
 template <typename Kernel>
-int KernelArch(Kernel kernel) {
+KernelCode CodeOf(Kernel kernel) {
   cudaFuncAttributes attrs;
   if (cudaFuncGetAttributes(&attrs, kernel) != cudaSuccess) {
     cudaGetLastError();
-    return 0;
+    return {0, 0};
   }
-  return attrs.binaryVersion;
+  return {attrs.ptxVersion, attrs.binaryVersion};
 }
 
 template <typename Fn>

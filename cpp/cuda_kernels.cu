@@ -2872,7 +2872,7 @@ bool LaunchStripsScatter(cudaStream_t stream, const PoolAttrs& a,
     const int64_t out_plane = int64_t{g.out_h} * g.out_w * sz;
     if (PieceOf(out_plane, dx, sz) != 16) return false;
     const auto kernel = StripsNchw<T, S, true, true, true>;
-    if (KernelArch(kernel) < 90) return false;
+    if (CodeOf(kernel).binary < 90) return false;
     // The warp's planes, then (past the reads' 12 bytes of slack) their
     // destination planes.
     const int64_t per_warp = std::min<int64_t>(
@@ -3312,7 +3312,7 @@ bool LaunchAddingGather(cudaStream_t stream, DType dtype, const PoolAttrs& a,
             taken = LaunchMmaBoxNhwc<T, true, true>(stream, a, s, in, out, err);
           } else if constexpr (sizeof(T) == 4) {
             if (CanVectorise<T>(s, in, out) &&
-                KernelArch(BoxNhwc<T, S, kWide<T>, true, true>) >= 90) {
+                CodeOf(BoxNhwc<T, S, kWide<T>, true, true>).binary >= 90) {
               taken = true;
               err = LaunchBoxNhwc<T, true, S, kWide<T>, true>(stream, a, s, in,
                                                               out);
