@@ -13,15 +13,29 @@
 // accumulators makes them the window sums. B is one fixed pair of registers.
 //
 // A block takes 128 bytes of channels (64) of one image, a strip of 8 * NT
-// destination columns and a segment of destination rows. It streams the
-// source rows under them through a ring in shared memory (cp.async, zeros
-// outside the source), kMmaRows destination rows a step: per source row a
-// warp (16 channels) loads the NT + 1 halves of 8 columns its NT tiles of
-// 8 destination columns read (ldmatrix, transposed: channels become the M
-// side) and adds them into every destination row of the step whose window
-// holds that row. The sums are scaled, rounded and stored transposed back
-// into pixels of channels in a stage in shared memory (stmatrix), which
-// the block copies out at its next step in whole 128-byte pieces of pixels.
+// destination columns and a segment of destination rows. It streams the source
+// rows under them through a ring in shared memory (cp.async, zeros outside the
+// source; or kCompact, below), kMmaRows destination rows a step: per source row
+// a warp (16 channels) loads the NT + 1 halves of 8 columns its NT tiles of 8
+// destination columns read (ldmatrix, transposed: channels become the M side)
+// and adds them into every destination row of the step whose window holds that
+// row. The sums are scaled, rounded and stored transposed back into pixels of
+// channels in a stage in shared memory (stmatrix), which the block copies out
+// at its next step in whole 128-byte pieces of pixels.
+//
+// kCompact: a ring row holds only the strip's source columns that lie in
+// the source, and one pixel of zeros that the lanes of ldmatrix read for
+// every column outside it (each lane gives its own row address). Over
+// narrow sources that frees shared memory for more resident blocks: the
+// gather of 28x28 images from 22x22 dy rows (a strip of 32 destination
+// columns over 40 source columns, 22 of them in dy) fits four blocks a
+// multiprocessor instead of two. The launcher takes it where the blocks
+// resident together grow and the items' waves over them take no longer
+// (waves times blocks a multiprocessor): on the H200, 64x28x28x512, the
+// gather took 33.2 us against 38.6 (CUDA events); with padding 3, where
+// three blocks would stay resident instead of two, 512 items make 1.3
+// waves instead of 1.9, and it took 44 us against 40.5, so the launcher
+// keeps the plain rows there.
 //
 // The zeros of B do not hide what they multiply: 0 * inf is NaN, so an
 // infinity or NaN among the 16 source columns of a tile spoils every sum of
@@ -32,18 +46,18 @@
 // Only the uniform divisor for the gather, whose factors would weight the
 // source before the sums; every divisor for the forward.
 //
-// On the H200 (CUDA events, us, forward / gather, 64x28x28x512): bfloat16
-// 28.8 / 38.7 against BoxNhwc's 37.2 / 42.6, float16 28.8 / 38.6 against
-// 37.2 / 41.5; with padding 3 (28 destination columns both ways) 41.1 /
-// 41.0 against 45.1 / 45.5; 2x230x230x64 17.8 / 17.4 against 27.1 / 27.3.
-// Without the kernel's stores the forward took 21.9 and its loads alone
-// 17-18, about 2.9 TB/s. Tried, not kept: each warp storing its results
-// straight from registers (movmatrix, 4-byte stores: 29-30 / 40-44), a
-// block of 128 channels (256 bytes a pixel: the same), rows brought into
-// L2 two to six steps ahead (1-5 us slower), 16-column strips (34.6 /
-// 41.3); two steps of rows in flight for 24-column strips (32.6 against
-// 28.9, at three blocks a multiprocessor instead of four), one for 32-column
-// strips (44.5 against 38.7: the gather's 28 columns take those).
+// On the H200 (CUDA events, us, forward / gather, 64x28x28x512; the gather
+// before kCompact): bfloat16 28.8 / 38.7 against BoxNhwc's 37.2 / 42.6, float16
+// 28.8 / 38.6 against 37.2 / 41.5; with padding 3 (28 destination columns both
+// ways) 41.1 / 41.0 against 45.1 / 45.5; 2x230x230x64 17.8 / 17.4 against
+// 27.1 / 27.3. Without the kernel's stores the forward took 21.9 and its loads
+// alone 17-18, about 2.9 TB/s. Tried, not kept: each warp storing its results
+// straight from registers (movmatrix, 4-byte stores: 29-30 / 40-44), a block of
+// 128 channels (256 bytes a pixel: the same), rows brought into L2 two to six
+// steps ahead (1-5 us slower), 16-column strips (34.6 / 41.3); two steps of
+// rows in flight for 24-column strips (32.6 against 28.9, at three blocks a
+// multiprocessor instead of four), one for 32-column strips (44.5 against 38.7:
+// the gather's 28 columns take those).
 #include <cstdint>
 #include <type_traits>
 
@@ -197,22 +211,29 @@ __device__ __forceinline__ unsigned FiniteFlag(unsigned v, unsigned flag) {
   return bits;
 }
 
-template <typename T, typename S, bool kGather, int NT, int P, bool kAdd>
+template <typename T, typename S, bool kGather, int NT, int P, bool kAdd,
+          bool kCompact>
 __global__ void __launch_bounds__(kMmaThreads, 4)
     MmaBoxNhwc(const PoolAttrs a, const PoolShape s, const T* __restrict__ src,
                T* __restrict__ dst, const int rows,
-               const SharedFactor<float> shared, const int64_t items) {
+               const SharedFactor<float> shared, const int ring_px,
+               const int64_t items) {
 #if __CUDA_ARCH__ >= 800
   constexpr int KH = S::KH, KW = S::KW, R = kMmaRows;
   constexpr int NR = MmaRing<S>(P);
-  constexpr int NC = 8 * NT + 8;  // pixels of a ring row
-  constexpr int kRowBytes = NC * kPixelBytes;
+  constexpr int NC = 8 * NT + 8;  // source columns under a strip
   constexpr int kStageRow = 8 * NT * kPixelBytes;  // a staged output row
   constexpr int kCopies = (NC + 15) / 16;
   constexpr int kOutCopies = (8 * NT + 15) / 16;
   static_assert(NhwcBox<S>() && KW <= 9 && sizeof(T) == 2);
   extern __shared__ __align__(128) unsigned char mma_ring[];
-  unsigned char* const stage = mma_ring + NR * kRowBytes;  // [2][R] rows
+  // A ring row holds the NC source columns under a strip, zeros for those
+  // outside the source; kCompact, only those in the source (at most
+  // ring_px - 1), then one pixel of zeros that the tiles read for every
+  // column outside it.
+  const int row_bytes = (kCompact ? ring_px : NC) * kPixelBytes;
+  const int zero_px = ring_px - 1;
+  unsigned char* const stage = mma_ring + NR * row_bytes;  // [2][R] rows
   float* const row_f = reinterpret_cast<float*>(stage + 2 * R * kStageRow);
   float* const col_f = row_f + rows;
   const int64_t H = s.in_h, W = s.in_w, OH = s.out_h, OW = s.out_w;
@@ -243,14 +264,22 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
   const int cq = tid & 7, cp0 = tid >> 3;
   const unsigned ring =
       static_cast<unsigned>(__cvta_generic_to_shared(mma_ring));
-  const unsigned ring_end = ring + NR * kRowBytes;
+  const unsigned ring_end = ring + NR * row_bytes;
   const unsigned copy_at = cp0 * kPixelBytes + ((cq ^ (cp0 & 7)) << 4);
   // ldmatrix and stmatrix: matrix i of a pair of 8-pixel halves is pixel
   // (lane & 7) + 8 * (i >> 1) of the pair, chunk 2 * warp + (i & 1).
-  const unsigned lane_at = ((lane & 7) + 8 * (lane >> 4)) * kPixelBytes +
-                           (((2 * warp + ((lane >> 3) & 1)) ^ (lane & 7)) << 4);
+  const int lane_px = (lane & 7) + 8 * (lane >> 4);
+  const int lane_chunk = 2 * warp + ((lane >> 3) & 1);
+  const unsigned lane_at =
+      lane_px * kPixelBytes + ((lane_chunk ^ (lane & 7)) << 4);
   const unsigned stage_at =
       static_cast<unsigned>(__cvta_generic_to_shared(stage)) + lane_at;
+  // The zero pixels of the ring rows, written once (the copies in never
+  // reach them); the first step's barrier orders them before any read.
+  for (int i = tid; kCompact && i < NR * 8; i += kMmaThreads) {
+    *reinterpret_cast<uint4*>(mma_ring + (i >> 3) * row_bytes +
+                              zero_px * kPixelBytes + (i & 7) * 16) = uint4{};
+  }
   const int64_t row_step = src_w * C, out_step = dst_w * C;
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
     int64_t rest = item;
@@ -279,25 +308,41 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
                 : 0.f;
       }
     }
+    // Pixels 0 .. nin - 1 of a ring row are source columns cs onwards:
+    // kCompact, those in the source; else all NC from column left.
+    const int64_t cs = kCompact ? min(max(left, int64_t{0}), src_w) : left;
+    const int nin =
+        kCompact ? static_cast<int>(min(left + NC, src_w) - cs) : NC;
+    // The tiles' reads: pixel lane_px + 16j from column left (a pair of
+    // halves of 8 columns), or kCompact, the zero pixel where its column is
+    // outside the source.
+    unsigned read_at[(NT + 2) / 2];
+#pragma unroll
+    for (int j = 0; j < (NT + 2) / 2; ++j) {
+      const int64_t at = left + lane_px + 16 * j - cs;
+      const int px =
+          !kCompact || (at >= 0 && at < nin) ? static_cast<int>(at) : zero_px;
+      read_at[j] = px * kPixelBytes + ((lane_chunk ^ (px & 7)) << 4);
+    }
     // The copies in: ring row r is source row top + r, in slot r mod NR;
     // rows r_lo .. r_hi - 1 are inside the source (rows past the segment's
-    // are copied as zeros). Bit i of `have`: pixel cp0 + 16i is in a ring
-    // row; of `inside`: its column is in the source too.
+    // are copied as zeros). Bit i of `have`: pixel cp0 + 16i is one of the
+    // nin of a ring row; of `inside`: its column is in the source too.
     const int r_lo = static_cast<int>(max(int64_t{0}, -top));
     const unsigned r_count = static_cast<unsigned>(
         max(int64_t{0}, min(int64_t{nsrc}, src_h - top) - r_lo));
     unsigned have = 0, inside = 0, out_ok = 0;
 #pragma unroll
     for (int i = 0; i < kCopies; ++i) {
-      const int64_t c = left + cp0 + 16 * i;
-      if (cp0 + 16 * i < NC) {
+      const int64_t c = cs + cp0 + 16 * i;
+      if (cp0 + 16 * i < nin) {
         have |= 1u << i;
         if (c >= 0 && c < src_w) inside |= 1u << i;
       }
       if (cp0 + 16 * i < ncol) out_ok |= 1u << i;
     }
     const int64_t pixel_step = 16 * C;
-    const T* from = src + (n * src_h + top) * row_step + (left + cp0) * C +
+    const T* from = src + (n * src_h + top) * row_step + (cs + cp0) * C +
                     slab * 64 + cq * 8;
     unsigned to = ring + copy_at;
     int r_next = 0;
@@ -314,8 +359,8 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
       }
       ++r_next;
       from += row_step;
-      to = to + kRowBytes < ring_end ? to + kRowBytes
-                                     : to + kRowBytes - NR * kRowBytes;
+      to = to + row_bytes < ring_end ? to + row_bytes
+                                     : to + row_bytes - NR * row_bytes;
     };
     // The copies out: the rows of step k, staged in buffer k & 1.
     T* const out =
@@ -351,7 +396,7 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
       CommitCopies();
     }
     unsigned flag = 0;
-    unsigned base = ring + lane_at;  // the step's first ring row
+    unsigned base = ring;  // the step's first ring row
     const int steps = (nrow + R - 1) / R;
     for (int k = 0; k < steps; ++k) {
       CopyWait<P - 1>();
@@ -363,20 +408,20 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
       float acc[R][NT][4];
 #pragma unroll
       for (int i = 0; i < R + KH - 1; ++i) {
-        const unsigned at = base + i * kRowBytes < ring_end + lane_at
-                                ? base + i * kRowBytes
-                                : base + i * kRowBytes - NR * kRowBytes;
+        const unsigned at = base + i * row_bytes < ring_end
+                                ? base + i * row_bytes
+                                : base + i * row_bytes - NR * row_bytes;
         unsigned half[NT + 1][2];  // [half][channels 0-7, 8-15]
 #pragma unroll
         for (int h = 0; h + 1 <= NT; h += 2) {
           unsigned m[4];
-          LoadFour(m, at + h * 8 * kPixelBytes);
+          LoadFour(m, at + read_at[h / 2]);
           half[h][0] = m[0], half[h][1] = m[1];
           half[h + 1][0] = m[2], half[h + 1][1] = m[3];
         }
         if constexpr (NT % 2 == 0) {
           unsigned m[2];
-          LoadTwo(m, at + NT * 8 * kPixelBytes);
+          LoadTwo(m, at + read_at[NT / 2]);
           half[NT][0] = m[0], half[NT][1] = m[1];
         }
 #pragma unroll
@@ -419,9 +464,9 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
                           m);
         }
       }
-      base = base + R * kRowBytes < ring_end + lane_at
-                 ? base + R * kRowBytes
-                 : base + R * kRowBytes - NR * kRowBytes;
+      base = base + R * row_bytes < ring_end
+                 ? base + R * row_bytes
+                 : base + R * row_bytes - NR * row_bytes;
     }
     __syncthreads();  // the last step's rows are staged
     copy_out(steps - 1);
@@ -802,24 +847,56 @@ bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
       }
       const int64_t dst_h = kGather ? s.in_h : s.out_h;
       const int64_t dst_w = kGather ? s.in_w : s.out_w;
+      const int64_t src_w = kGather ? s.out_w : s.in_w;
       if (dst_h < kMmaMinRows) return false;
       const int rows = SlideRows(dst_h);
       const auto launch = [&](auto nt, auto pp) {
         constexpr int NT = decltype(nt)::value;
         constexpr int P = decltype(pp)::value;
-        const auto kernel = MmaBoxNhwc<T, S, kGather, NT, P, kAdd>;
+        const auto plain = MmaBoxNhwc<T, S, kGather, NT, P, kAdd, false>;
+        const auto compact = MmaBoxNhwc<T, S, kGather, NT, P, kAdd, true>;
         const int64_t items = s.batch * Groups(dst_h, rows) *
                               Groups(dst_w, 8 * NT) * (s.channels / 64);
-        if (items < kMmaMinItems || !MmaCompiled(kernel)) return false;
-        if (kAdd && CodeOf(kernel).binary < 90) return false;
-        const size_t smem =
-            static_cast<size_t>(MmaRing<S>(P)) * (8 * NT + 8) * kPixelBytes +
+        if (items < kMmaMinItems || !MmaCompiled(plain)) return false;
+        if (kAdd && CodeOf(plain).binary < 90) return false;
+        // Compact ring rows: the source columns a strip can meet, and a
+        // zero pixel.
+        const int ring_px =
+            static_cast<int>(std::min<int64_t>(8 * NT + 8, src_w)) + 1;
+        const size_t rest =
             static_cast<size_t>(2 * kMmaRows) * 8 * NT * kPixelBytes +
             static_cast<size_t>(rows + 8 * NT) * sizeof(float);
-        error = cudaFuncSetAttribute(
-            kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-            static_cast<int>(smem));
+        const size_t ring_rows = MmaRing<S>(P);
+        const size_t plain_smem = ring_rows * (8 * NT + 8) * kPixelBytes + rest;
+        const size_t compact_smem = ring_rows * ring_px * kPixelBytes + rest;
+        const auto fit = [&](auto kernel, size_t smem, int64_t& resident) {
+          cudaError_t e = cudaFuncSetAttribute(
+              kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+              static_cast<int>(smem));
+          if (e == cudaSuccess) {
+            e = ResidentBlocks(kernel, kMmaThreads, smem, resident);
+          }
+          return e;
+        };
+        int64_t on_plain = 0, on_compact = 0;
+        error = fit(plain, plain_smem, on_plain);
         if (error != cudaSuccess) return true;
+        // The compact rows where narrow sources let more blocks stay
+        // resident, and the items' waves over them take no longer than
+        // over the plain kernel's: waves times blocks per multiprocessor,
+        // the time of a wave that shares the multiprocessors' throughput.
+        bool take_compact = false;
+        if (compact_smem < plain_smem) {
+          error = fit(compact, compact_smem, on_compact);
+          if (error != cudaSuccess) return true;
+          const auto cost = [&](int64_t resident) {
+            return (items + resident - 1) / resident * resident;
+          };
+          take_compact = on_compact > on_plain && on_plain > 0 &&
+                         cost(on_compact) <= cost(on_plain);
+        }
+        const auto kernel = take_compact ? compact : plain;
+        const size_t smem = take_compact ? compact_smem : plain_smem;
         if constexpr (kAdd) {
           error = cudaMemsetAsync(
               dst, 0,
@@ -831,7 +908,7 @@ bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
         const unsigned grid =
             static_cast<unsigned>(std::min<int64_t>(items, INT32_MAX));
         kernel<<<grid, kMmaThreads, smem, stream>>>(a, s, src, dst, rows,
-                                                    shared, items);
+                                                    shared, ring_px, items);
         error = cudaGetLastError();
         return true;
       };

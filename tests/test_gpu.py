@@ -437,7 +437,9 @@ def _adding_gather_cases() -> list:
     16-byte pieces), 4 to 2 planes a warp and a partial last warp, at paddings 0
     and 2 and with a divisor override; NHWC float32 (the box filter, every
     padding and divisor rule, ceil_mode); NHWC 16-bit (the tensor-core box
-    filter, windows sharing a divisor, channels in 64s). Then calls left to the
+    filter, windows sharing a divisor, channels in 64s; on an H200 the last
+    three with enough blocks that its ring rows hold only the source's
+    columns). Then calls left to the
     tiles: an odd left padding, 16-bit planes of 1512 bytes (float32 ones of
     3024 are taken), NHWC 16-bit channels not in 64s."""
     nchw, nhwc, low = "NCHW", "NHWC", LOW_PRECISION
@@ -453,6 +455,9 @@ def _adding_gather_cases() -> list:
         ((16, 64, 28, 28), 0, {}, nhwc, low, True),
         ((16, 64, 28, 28), 3, {"divisor_override": 11}, nhwc, low, True),
         ((2, 128, 45, 70), 3, {}, nhwc, low, True),
+        ((64, 512, 28, 28), 0, {}, nhwc, low, True),
+        ((48, 448, 28, 28), 1, {"divisor_override": 30}, nhwc, low, True),
+        ((50, 384, 28, 28), 3, {}, nhwc, low, True),
         ((2, 6, 28, 28), 1, {}, nchw, every, False),
         ((2, 3, 27, 28), 0, {}, nchw, low, False),
         ((2, 3, 27, 28), 0, {}, nchw, (F32,), True),
@@ -492,8 +497,12 @@ def _tensor_core_box_cases() -> list:
     divisor; shapes in NCHW order): 28x28 images at each padding (rows 22 to 28
     wide, strips of 24 or 32 columns) and divisor rule; images taller than 32
     rows (segments of rows) and wider than 32 columns (strips, the last one
-    partial); two slabs of channels; and three calls it leaves to the other
-    kernels (too few rows, too few blocks, channels not in slabs of 64)."""
+    partial); two slabs of channels; calls of enough blocks (on an H200) that
+    the ring rows hold only the source columns a strip meets, its other
+    columns read from one pixel of zeros (the gather at paddings 0 and 1, and
+    at padding 3 with 300 blocks, the forward too); and three calls it leaves
+    to the other kernels (too few rows, too few blocks, channels not in slabs
+    of 64)."""
     calls = (
         ((16, 64, 28, 28), 0, {}),
         ((16, 64, 28, 28), 1, {}),
@@ -505,6 +514,9 @@ def _tensor_core_box_cases() -> list:
         ((16, 64, 19, 19), 3, {}),
         ((2, 64, 28, 28), 0, {}),
         ((16, 96, 28, 28), 0, {}),
+        ((64, 512, 28, 28), 0, {}),
+        ((48, 448, 28, 28), 1, {"divisor_override": 30}),
+        ((50, 384, 28, 28), 3, {}),
     )
     return _low_precision_7x7(calls, "NHWC")
 
@@ -551,10 +563,24 @@ def test_tensor_core_box_filter_on_gpu_matches_oracle(
     _check_forward_and_gather(case, dtype, gpu, rng)
 
 
-@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize(
+    ("layout", "shape", "pad"),
+    [
+        # In NCHW, padding 1 and enough planes for the plane kernel's forward.
+        ("NCHW", (64, 256, 28, 28), 1),
+        ("NHWC", (16, 64, 28, 28), 3),
+        # Enough blocks (on an H200) for the compact ring rows of the gather.
+        ("NHWC", (64, 512, 28, 28), 1),
+    ],
+)
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_name)
 def test_tensor_core_box_filter_keeps_infinities_and_nans(
-    dtype: np.dtype, layout: str, gpu: jax.Device, rng: np.random.Generator
+    dtype: np.dtype,
+    layout: str,
+    shape: tuple,
+    pad: int,
+    gpu: jax.Device,
+    rng: np.random.Generator,
 ) -> None:
     """On the tensor cores an infinity or NaN times one of the 0/1 matrix's zeros
     is NaN, which would spoil the sums of windows that do not hold it: the
@@ -563,8 +589,6 @@ def test_tensor_core_box_filter_keeps_infinities_and_nans(
     finite sums beside them alike. In NCHW the tiles also
     reach into the neighbouring rows of a plane, here the row above an
     infinity at the start of a row."""
-    # In NCHW, padding 1 and enough planes for the plane kernel's forward.
-    shape, pad = ((64, 256, 28, 28), 1) if layout == "NCHW" else ((16, 64, 28, 28), 3)
     case = TorchCase(shape, 7, 1, pad, layout=layout)
     x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
     spots = (  # (image, channel, row, column)
