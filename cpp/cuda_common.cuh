@@ -138,6 +138,43 @@ __device__ __forceinline__ void SlidingGroup(const In& in, Acc (&out)[N]) {
   }
 }
 
+// SlidingGroup's sums times f, the products fused into its last additions:
+// a group multiplies its core once and adds each suffix and prefix by an
+// FMA, K + 3G - 5 operations where the sums and then their products take
+// K + 4G - 6. The products round before the sum, so the results may differ
+// from f times SlidingGroup's in the last place.
+template <int K, int G, int O0, typename In, int N>
+__device__ __forceinline__ void ScaledSlidingGroup(const In& in, float f,
+                                                   float (&out)[N]) {
+  static_assert(G >= 1 && G <= K && O0 + G <= N);
+  if constexpr (G == 1) {
+    float sum = in(O0);
+#pragma unroll
+    for (int i = 1; i < K; ++i) sum += in(O0 + i);
+    out[O0] = sum * f;
+  } else {
+    float core = in(O0 + G - 1);
+#pragma unroll
+    for (int i = O0 + G; i < O0 + K; ++i) core += in(i);
+    const float scaled = core * f;
+    float suffix = in(O0 + G - 2);
+    out[O0 + G - 2] = __fmaf_rn(suffix, f, scaled);
+#pragma unroll
+    for (int o = O0 + G - 3; o >= O0; --o) {
+      suffix = in(o) + suffix;
+      out[o] = __fmaf_rn(suffix, f, scaled);
+    }
+    out[O0 + G - 1] = scaled;
+    float prefix = in(O0 + K);
+    out[O0 + 1] = __fmaf_rn(prefix, f, out[O0 + 1]);
+#pragma unroll
+    for (int o = O0 + 2; o < O0 + G; ++o) {
+      prefix += in(o + K - 1);
+      out[o] = __fmaf_rn(prefix, f, out[o]);
+    }
+  }
+}
+
 template <int K, int N, int O0 = 0, typename Acc, typename In>
 __device__ __forceinline__ void SlidingSums(const In& in, Acc (&out)[N]) {
   if constexpr (O0 < N) {
@@ -145,6 +182,17 @@ __device__ __forceinline__ void SlidingSums(const In& in, Acc (&out)[N]) {
     constexpr int kG = N - O0 < kGroup ? N - O0 : kGroup;
     SlidingGroup<K, kG, O0>(in, out);
     SlidingSums<K, N, O0 + kG>(in, out);
+  }
+}
+
+template <int K, int N, int O0 = 0, typename In>
+__device__ __forceinline__ void ScaledSlidingSums(const In& in, float f,
+                                                  float (&out)[N]) {
+  if constexpr (O0 < N) {
+    constexpr int kGroup = K >= 4 ? 4 : (K >= 2 ? 2 : 1);
+    constexpr int kG = N - O0 < kGroup ? N - O0 : kGroup;
+    ScaledSlidingGroup<K, kG, O0>(in, f, out);
+    ScaledSlidingSums<K, N, O0 + kG>(in, f, out);
   }
 }
 

@@ -2397,39 +2397,48 @@ bool LaunchPlanes(cudaStream_t stream, const PoolAttrs& a, const PoolShape& s,
 // registers. The forward and the gather are the box filter of PlanesNchw
 // (destination (i, j) sums source rows i + off_h .. i + off_h + K - 1 and
 // columns j + off_w .. j + off_w + K - 1, zero outside the source), here only
-// where every window shares one divisor, which multiplies each destination sum.
+// where every window shares one divisor, whose factor multiplies each
+// destination sum (float32) or, fused into their last additions, the sums
+// along W (16-bit types).
 // A warp takes `per_warp` consecutive planes, one contiguous range of the
 // source, and copies them into its own part of shared memory (cp.async, in the
 // largest pieces the range allows). Per source row a lane then loads the
 // kStripCols + K - 1 source columns under its strip (in aligned pairs where
 // the rows and offsets allow), sums them along W into its kStripCols window
-// sums, and keeps those of the last K - 1 + kStripRows rows; every
-// kStripRows rows it sums them down H into kStripRows destination rows,
-// which it stores. Rows outside the source are skipped by a branch that
-// every lane takes alike, and steps whose rows are all inside take no
-// checks. No barrier but the warp's own, no shuffle, and per output the
-// additions of sliding sums in the two directions: PlanesNchw spends most
-// of its instructions moving values through shared memory between its two
-// passes, and waits at the block's barriers between them; the row kernels
-// shuffle the columns of 16-byte chunks too narrow for these rows.
+// sums; every kStripRows rows it adds those of the new rows to sums down H
+// of the K - 1 rows before them, carried from the step before, into
+// kStripRows destination rows, which it stores. Rows outside the source
+// are skipped by a branch that every lane takes alike, and steps whose rows
+// are all inside take no checks. No barrier but the warp's own, no shuffle, and
+// per output the additions of sliding sums in the two directions: PlanesNchw
+// spends most of its instructions moving values through shared memory between
+// its two passes, and waits at the block's barriers between them; the row
+// kernels shuffle the columns of 16-byte chunks too narrow for these rows.
 //
 // Where it is taken (StripsTake), against the kernels it replaces, on the
 // H200 (CUDA events, us, 64x512 planes of 28x28 unless said): gather,
 // bfloat16 26.8 against 47.2, float16 28.2 against 47.7, float32 48.6
 // against 51.3 (with padding 2, 53.7 against 56.1); bfloat16 forward with
 // padding 1 35.7 against 46.1 and with padding 3 33.3 against 50.2; 14x14
-// planes 9.3 against 16.5 (forward) and 33.7 against 117 (gather). Not
-// taken, as slower (most on the kernel's first forms, which took 1.2-1.4
-// times as long as this one): the forward of 22-wide rows, whose stores
-// then go in pairs (32.6 for PlanesNchw against 37.4 with the pairs
+// planes 9.3 against 16.5 (forward) and 33.7 against 117 (gather). Those
+// figures are of the kernel's form before the carried sums down H and the
+// scaled sums along W, which took the 16-bit gathers from 27.3 (bfloat16)
+// and 28.2 (float16) to 26.4 and 26.7, the bfloat16 forward with padding 3
+// from 33.3 to 31.7, with 12% fewer instructions (bfloat16 gather: 14.25 M
+// against 16.18 M; the sums kept down H had moved between registers every
+// step). Not taken, as slower (most on the kernel's first forms, which
+// took 1.2-1.4 times as long as this one): the forward of 22-wide rows, whose
+// stores then go in pairs (32.6 for PlanesNchw against 37.4 with the pairs
 // realigned by a shuffle for 8-byte stores, 41.7 staged through shared
 // memory and copied out whole, 56.8 stored in pairs; 55.0-55.2 on this
-// form, in pairs or one element at a time); gathers whose source
-// columns do not pair up (padding 1: 46.7 against 42.4); 56x56 planes
-// (16x512, padding 3: 62-66 against 42-59); float32 forwards (60-79
-// against 47-59) and float64. Tried, not kept: loading the source straight
-// from global memory instead of shared (bfloat16 forward 78.6, gather
-// 56.7: the lanes of five planes reach five places of memory per
+// form, in pairs or one element at a time; 30.2-30.5 on it with each
+// destination plane staged in its source's slot behind the walk and the
+// warp's planes copied out as one range, against MmaPlanesNchw's
+// 29.5-29.6); gathers whose source columns do not pair up (padding 1: 46.7
+// against 42.4); 56x56 planes (16x512, padding 3: 62-66 against 42-59); float32
+// forwards (60-79 against 47-59) and float64. Tried, not kept: loading the
+// source straight from global memory instead of shared (bfloat16 forward 78.6,
+// gather 56.7: the lanes of five planes reach five places of memory per
 // instruction); the rows outside the source loaded as predicated-off zeros
 // rather than skipped (gather 43.4 against 36.7 then); steps of six rows
 // over two halves of the row sums that swap roles, so that no sums move
@@ -2493,9 +2502,12 @@ __global__ void __launch_bounds__(kStripThreads, kStripBlocks)
   using Acc = typename N::Acc;
   constexpr int K = S::KH, B = kStripCols, G = kStripRows;
   constexpr int NC = B + K - 1;  // source columns under a strip
-  constexpr int NR = G + K - 1;  // source rows under a step's G rows
   constexpr int sz = static_cast<int>(sizeof(T));
   static_assert(!kPairs || NC % 2 == 0);
+  // 16-bit types: the row sums along W come out multiplied by the divisor's
+  // factor (ScaledSlidingSums), three operations fewer a row than the
+  // destination sums multiplied; float32 keeps its products of whole sums.
+  constexpr bool kScaled = sz == 2;
   // kAdd: the gather adding into a zeroed destination, for the scatter
   // (LaunchStripsScatter): the warp's destination planes go to shared
   // memory, then to global memory by one bulk reduction.
@@ -2609,13 +2621,19 @@ __global__ void __launch_bounds__(kStripThreads, kStripBlocks)
         v[u] = N::Load(LoadOrZero<T, 1>(at + u, cok[u]).v[0]);
       }
     }
-    SlidingSums<K, B>([&](int u) { return v[u]; }, h);
+    if constexpr (kScaled) {
+      ScaledSlidingSums<K, B>([&](int u) { return v[u]; }, value, h);
+    } else {
+      SlidingSums<K, B>([&](int u) { return v[u]; }, h);
+    }
   };
   const bool whole = j0 + B <= g.out_w;
   T* const stage = reinterpret_cast<T*>(mine + g.stage);
   const auto put = [&](int i, Acc(&o)[B]) {
+    if constexpr (!kScaled) {
 #pragma unroll
-    for (int b = 0; b < B; ++b) o[b] *= value;
+      for (int b = 0; b < B; ++b) o[b] *= value;
+    }
     T* at = dp + i * g.out_w + j0;
     if constexpr (kAdd) {
       Vec<T, B> all;
@@ -2645,27 +2663,71 @@ __global__ void __launch_bounds__(kStripThreads, kStripBlocks)
   };
   using Inside = std::true_type;
   using Checked = std::false_type;
-  Acc h[NR][B];
+  // Down H, per strip column: a step adds G new rows under the K - 1 rows
+  // before them. Destination row i0 + t sums the earlier rows from t on and
+  // the new rows up to t, so a step carries the first sums (`from`) and, for
+  // the next step's, those of the earlier rows past G (`tail`), both built
+  // from suffix sums of the new rows: 3G - 3 + M additions a column (11 for
+  // 7x7), where sliding sums over rows kept in registers took K + 3G - 6
+  // and moved the K - 1 rows kept between steps.
+  constexpr int M = K - 1 - G;
+  static_assert(M >= 0 && G >= M, "StripsNchw: G <= K - 1 <= 2G");
+  Acc from[G][B];              // from[t]: earlier rows t .. K - 2
+  Acc tail[M > 0 ? M : 1][B];  // tail[t]: earlier rows G + t .. K - 2
+  {
+    Acc first[K - 1][B];
 #pragma unroll
-  for (int u = 0; u < K - 1; ++u) row_sums(g.off_h + u, h[u], Checked{});
+    for (int u = 0; u < K - 1; ++u) {
+      row_sums(g.off_h + u, first[u], Checked{});
+    }
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      Acc q = first[K - 2][b];
+#pragma unroll
+      for (int j = K - 2; j >= 0; --j) {
+        if (j < K - 2) q = first[j][b] + q;
+        if (j < G) {
+          from[j][b] = q;
+        } else {
+          tail[j - G][b] = q;
+        }
+      }
+    }
+  }
   for (int i0 = 0; i0 < g.out_h; i0 += G) {
     // The step's G new source rows, without the checks where all of them
     // are inside the source.
     const int r0 = g.off_h + i0 + K - 1;
+    Acc h[G][B];
     if (r0 >= 0 && r0 + G <= g.in_h) {
 #pragma unroll
-      for (int u = 0; u < G; ++u) row_sums(r0 + u, h[K - 1 + u], Inside{});
+      for (int u = 0; u < G; ++u) row_sums(r0 + u, h[u], Inside{});
     } else {
 #pragma unroll
-      for (int u = 0; u < G; ++u) row_sums(r0 + u, h[K - 1 + u], Checked{});
+      for (int u = 0; u < G; ++u) row_sums(r0 + u, h[u], Checked{});
     }
     Acc o[G][B];
 #pragma unroll
     for (int b = 0; b < B; ++b) {
-      Acc col[G];
-      SlidingSums<K, G>([&](int u) { return h[u][b]; }, col);
+      Acc upto = h[0][b];  // new rows 0 .. t
+      o[0][b] = from[0][b] + upto;
 #pragma unroll
-      for (int t = 0; t < G; ++t) o[t][b] = col[t];
+      for (int t = 1; t < G; ++t) {
+        upto += h[t][b];
+        o[t][b] = from[t][b] + upto;
+      }
+      Acc on[G];  // on[j]: new rows j .. G - 1
+      on[G - 1] = h[G - 1][b];
+#pragma unroll
+      for (int j = G - 2; j > 0; --j) on[j] = h[j][b] + on[j + 1];
+      on[0] = upto;
+      // The next step's earlier rows: this step's from G on, then the new.
+#pragma unroll
+      for (int t = 0; t < G; ++t) {
+        from[t][b] = t < M ? tail[t][b] + on[0] : on[t - M];
+      }
+#pragma unroll
+      for (int t = 0; t < M; ++t) tail[t][b] = on[G - M + t];
     }
     if (i0 + G <= g.out_h) {
 #pragma unroll
@@ -2675,11 +2737,6 @@ __global__ void __launch_bounds__(kStripThreads, kStripBlocks)
       for (int t = 0; t < G; ++t) {
         if (i0 + t < g.out_h) put(i0 + t, o[t]);
       }
-    }
-#pragma unroll
-    for (int u = 0; u < K - 1; ++u) {
-#pragma unroll
-      for (int b = 0; b < B; ++b) h[u][b] = h[u + G][b];
     }
   }
   if constexpr (kAdd) {
