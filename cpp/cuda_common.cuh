@@ -100,99 +100,88 @@ __device__ __forceinline__ Vec<T, V> LoadOrZero(const T* p, bool ok) {
 // ---------------------------------------------------------------------------
 // Window sums.
 
+// How SlidingGroup finishes its sums: as they are, or (ByFactor) times f,
+// the products fused into the last additions. A group then multiplies its
+// core once and adds each suffix and prefix to it by an FMA: K + 3G - 5
+// operations where the sums and then their products take K + 4G - 6. The
+// products round before the sum, so the results may differ from f times
+// the plain sums in the last place.
+struct Unscaled {
+  template <typename Acc>
+  __device__ __forceinline__ Acc Of(Acc sum) const {
+    return sum;
+  }
+  template <typename Acc>
+  __device__ __forceinline__ Acc Add(Acc part, Acc sum) const {
+    return part + sum;
+  }
+  template <typename Acc>
+  __device__ __forceinline__ Acc AddTo(Acc sum, Acc part) const {
+    return sum + part;
+  }
+};
+struct ByFactor {
+  float f;
+  __device__ __forceinline__ float Of(float sum) const { return sum * f; }
+  __device__ __forceinline__ float Add(float part, float sum) const {
+    return __fmaf_rn(part, f, sum);
+  }
+  __device__ __forceinline__ float AddTo(float sum, float part) const {
+    return __fmaf_rn(part, f, sum);
+  }
+};
+
 // Sums of K consecutive values at stride 1: out[o] = in(o) + ... +
-// in(o + K - 1) for o < N, `in` a function of a compile-time index (after
-// unrolling). Adjacent windows share K - 1 values, so the windows are taken
-// in groups of G: the core in(O0 + G - 1 .. O0 + K - 1) that every window of
-// the group holds is summed once, and each window adds a suffix of the
-// values before the core and a prefix of those after it, both built up
-// incrementally: K + 3G - 6 additions per group instead of G(K - 1) (13
-// instead of 24 for four 7-wide windows, 3 instead of 4 for two 3-wide).
-template <int K, int G, int O0, typename Acc, typename In, int N>
-__device__ __forceinline__ void SlidingGroup(const In& in, Acc (&out)[N]) {
+// in(o + K - 1) for o < N (finished by `scale`), `in` a function of a
+// compile-time index (after unrolling). Adjacent windows share K - 1
+// values, so the windows are taken in groups of G: the core in(O0 + G - 1
+// .. O0 + K - 1) that every window of the group holds is summed once, and
+// each window adds a suffix of the values before the core and a prefix of
+// those after it, both built up incrementally: K + 3G - 6 additions per
+// group instead of G(K - 1) (13 instead of 24 for four 7-wide windows, 3
+// instead of 4 for two 3-wide).
+template <int K, int G, int O0, typename Acc, typename In, int N,
+          typename Scale>
+__device__ __forceinline__ void SlidingGroup(const In& in, Acc (&out)[N],
+                                             const Scale& scale) {
   static_assert(G >= 1 && G <= K && O0 + G <= N);
   if constexpr (G == 1) {
     Acc sum = in(O0);
 #pragma unroll
     for (int i = 1; i < K; ++i) sum += in(O0 + i);
-    out[O0] = sum;
+    out[O0] = scale.Of(sum);
   } else {
     Acc core = in(O0 + G - 1);
 #pragma unroll
     for (int i = O0 + G; i < O0 + K; ++i) core += in(i);
+    const Acc whole = scale.Of(core);
     Acc suffix = in(O0 + G - 2);
-    out[O0 + G - 2] = suffix + core;
+    out[O0 + G - 2] = scale.Add(suffix, whole);
 #pragma unroll
     for (int o = O0 + G - 3; o >= O0; --o) {
       suffix = in(o) + suffix;
-      out[o] = suffix + core;
+      out[o] = scale.Add(suffix, whole);
     }
-    out[O0 + G - 1] = core;
+    out[O0 + G - 1] = whole;
     Acc prefix = in(O0 + K);
-    out[O0 + 1] += prefix;
+    out[O0 + 1] = scale.AddTo(out[O0 + 1], prefix);
 #pragma unroll
     for (int o = O0 + 2; o < O0 + G; ++o) {
       prefix += in(o + K - 1);
-      out[o] += prefix;
+      out[o] = scale.AddTo(out[o], prefix);
     }
   }
 }
 
-// SlidingGroup's sums times f, the products fused into its last additions:
-// a group multiplies its core once and adds each suffix and prefix by an
-// FMA, K + 3G - 5 operations where the sums and then their products take
-// K + 4G - 6. The products round before the sum, so the results may differ
-// from f times SlidingGroup's in the last place.
-template <int K, int G, int O0, typename In, int N>
-__device__ __forceinline__ void ScaledSlidingGroup(const In& in, float f,
-                                                   float (&out)[N]) {
-  static_assert(G >= 1 && G <= K && O0 + G <= N);
-  if constexpr (G == 1) {
-    float sum = in(O0);
-#pragma unroll
-    for (int i = 1; i < K; ++i) sum += in(O0 + i);
-    out[O0] = sum * f;
-  } else {
-    float core = in(O0 + G - 1);
-#pragma unroll
-    for (int i = O0 + G; i < O0 + K; ++i) core += in(i);
-    const float scaled = core * f;
-    float suffix = in(O0 + G - 2);
-    out[O0 + G - 2] = __fmaf_rn(suffix, f, scaled);
-#pragma unroll
-    for (int o = O0 + G - 3; o >= O0; --o) {
-      suffix = in(o) + suffix;
-      out[o] = __fmaf_rn(suffix, f, scaled);
-    }
-    out[O0 + G - 1] = scaled;
-    float prefix = in(O0 + K);
-    out[O0 + 1] = __fmaf_rn(prefix, f, out[O0 + 1]);
-#pragma unroll
-    for (int o = O0 + 2; o < O0 + G; ++o) {
-      prefix += in(o + K - 1);
-      out[o] = __fmaf_rn(prefix, f, out[o]);
-    }
-  }
-}
-
-template <int K, int N, int O0 = 0, typename Acc, typename In>
-__device__ __forceinline__ void SlidingSums(const In& in, Acc (&out)[N]) {
+template <int K, int N, int O0 = 0, typename Acc, typename In,
+          typename Scale = Unscaled>
+__device__ __forceinline__ void SlidingSums(const In& in, Acc (&out)[N],
+                                            const Scale& scale = {}) {
   if constexpr (O0 < N) {
     constexpr int kGroup = K >= 4 ? 4 : (K >= 2 ? 2 : 1);
     constexpr int kG = N - O0 < kGroup ? N - O0 : kGroup;
-    SlidingGroup<K, kG, O0>(in, out);
-    SlidingSums<K, N, O0 + kG>(in, out);
-  }
-}
-
-template <int K, int N, int O0 = 0, typename In>
-__device__ __forceinline__ void ScaledSlidingSums(const In& in, float f,
-                                                  float (&out)[N]) {
-  if constexpr (O0 < N) {
-    constexpr int kGroup = K >= 4 ? 4 : (K >= 2 ? 2 : 1);
-    constexpr int kG = N - O0 < kGroup ? N - O0 : kGroup;
-    ScaledSlidingGroup<K, kG, O0>(in, f, out);
-    ScaledSlidingSums<K, N, O0 + kG>(in, f, out);
+    SlidingGroup<K, kG, O0>(in, out, scale);
+    SlidingSums<K, N, O0 + kG>(in, out, scale);
   }
 }
 

@@ -2505,7 +2505,7 @@ __global__ void __launch_bounds__(kStripThreads, kStripBlocks)
   constexpr int sz = static_cast<int>(sizeof(T));
   static_assert(!kPairs || NC % 2 == 0);
   // 16-bit types: the row sums along W come out multiplied by the divisor's
-  // factor (ScaledSlidingSums), three operations fewer a row than the
+  // factor (ByFactor), three operations fewer a row than the
   // destination sums multiplied; float32 keeps its products of whole sums.
   constexpr bool kScaled = sz == 2;
   // kAdd: the gather adding into a zeroed destination, for the scatter
@@ -2622,7 +2622,7 @@ __global__ void __launch_bounds__(kStripThreads, kStripBlocks)
       }
     }
     if constexpr (kScaled) {
-      ScaledSlidingSums<K, B>([&](int u) { return v[u]; }, value, h);
+      SlidingSums<K, B>([&](int u) { return v[u]; }, h, ByFactor{value});
     } else {
       SlidingSums<K, B>([&](int u) { return v[u]; }, h);
     }
