@@ -2505,8 +2505,8 @@ __global__ void __launch_bounds__(kStripThreads, kStripBlocks)
   constexpr int sz = static_cast<int>(sizeof(T));
   static_assert(!kPairs || NC % 2 == 0);
   // 16-bit types: the row sums along W come out multiplied by the divisor's
-  // factor (ByFactor), three operations fewer a row than the
-  // destination sums multiplied; float32 keeps its products of whole sums.
+  // factor (ByFactor), three operations fewer a row than the destination
+  // sums multiplied; float32 keeps its products of whole sums.
   constexpr bool kScaled = sz == 2;
   // kAdd: the gather adding into a zeroed destination, for the scatter
   // (LaunchStripsScatter): the warp's destination planes go to shared
