@@ -19,7 +19,8 @@
 // a warp (16 channels) loads the NT + 1 halves of 8 columns its NT tiles of 8
 // destination columns read (ldmatrix, transposed: channels become the M side)
 // and adds them into every destination row of the step whose window holds that
-// row. The sums are scaled, rounded and stored transposed back into pixels of
+// row, the rows both windows hold once for both (see the step). The sums are
+// scaled, rounded and stored transposed back into pixels of
 // channels in a stage in shared memory (stmatrix), which the block copies out
 // at its next step in whole 128-byte pieces of pixels.
 //
@@ -57,7 +58,11 @@
 // steps ahead (1-5 us slower), 16-column strips (34.6 / 41.3); two steps of
 // rows in flight for 24-column strips (32.6 against 28.9, at three blocks a
 // multiprocessor instead of four), one for 32-column strips (44.5 against 38.7:
-// the gather's 28 columns take those).
+// the gather's 28 columns take those). The tensor cores are not what holds
+// it: summing the rows a step's two destination rows share once (8 products a
+// tile a step instead of 14) and skipping the rows of zeros at the ends of the
+// gather's segments took the bfloat16 forward from 28.9-29.0 to 28.8-29.0
+// and the gather from 32.7-32.9 to 31.5-31.6.
 #include <cstdint>
 #include <type_traits>
 
@@ -100,14 +105,15 @@ struct MmaOne<__nv_bfloat16> {
 };
 
 // acc = A (16 x 16, row-major, 4 registers) * B (16 x 8, 2 registers) plus
-// acc, or plus zero where `first`.
+// c (which may be acc), or plus zero where `first`.
 template <typename T>
-__device__ __forceinline__ void MmaAdd(float (&acc)[4], unsigned a0,
-                                       unsigned a1, unsigned a2, unsigned a3,
-                                       unsigned b0, unsigned b1, bool first) {
+__device__ __forceinline__ void MmaAdd(float (&acc)[4], const float (&c)[4],
+                                       unsigned a0, unsigned a1, unsigned a2,
+                                       unsigned a3, unsigned b0, unsigned b1,
+                                       bool first) {
 #if __CUDA_ARCH__ >= 800
-  const float c0 = first ? 0.f : acc[0], c1 = first ? 0.f : acc[1],
-              c2 = first ? 0.f : acc[2], c3 = first ? 0.f : acc[3];
+  const float c0 = first ? 0.f : c[0], c1 = first ? 0.f : c[1],
+              c2 = first ? 0.f : c[2], c3 = first ? 0.f : c[3];
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
@@ -226,6 +232,7 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
   constexpr int kCopies = (NC + 15) / 16;
   constexpr int kOutCopies = (8 * NT + 15) / 16;
   static_assert(NhwcBox<S>() && KW <= 9 && sizeof(T) == 2);
+  static_assert(R == 2 && KH >= R);  // the step's shared rows, below
   extern __shared__ __align__(128) unsigned char mma_ring[];
   // A ring row holds the NC source columns under a strip, zeros for those
   // outside the source; kCompact, only those in the source (at most
@@ -405,34 +412,81 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
       for (int r = 0; r < R; ++r) copy_row();
       CommitCopies();
       if (k > 0) copy_out(k - 1);
+      // Rows 1 .. KH - 1 of the step lie in both destination rows' windows:
+      // their products are summed once, into acc[1], from which acc[0]
+      // takes its sum plus row 0's before acc[1] adds row KH (R + KH - 1
+      // products a tile instead of R * KH). kChecked: skips the rows
+      // outside the source, zeros whose products add nothing (the steps
+      // at a segment's ends where the source's first or last rows are in
+      // the windows).
       float acc[R][NT][4];
+      const auto add_rows = [&](auto checked) {
+        constexpr bool kChecked = decltype(checked)::value;
+        const auto inside = [&](int i) {
+          return !kChecked || static_cast<unsigned>(k * R + i - r_lo) < r_count;
+        };
+        // The step's row i as the NT + 1 halves of 8 columns (channels
+        // 0-7, 8-15) the tiles read.
+        const auto load = [&](int i, unsigned (&half)[NT + 1][2]) {
+          const unsigned at = base + i * row_bytes < ring_end
+                                  ? base + i * row_bytes
+                                  : base + i * row_bytes - NR * row_bytes;
 #pragma unroll
-      for (int i = 0; i < R + KH - 1; ++i) {
-        const unsigned at = base + i * row_bytes < ring_end
-                                ? base + i * row_bytes
-                                : base + i * row_bytes - NR * row_bytes;
-        unsigned half[NT + 1][2];  // [half][channels 0-7, 8-15]
+          for (int h = 0; h + 1 <= NT; h += 2) {
+            unsigned m[4];
+            LoadFour(m, at + read_at[h / 2]);
+            half[h][0] = m[0], half[h][1] = m[1];
+            half[h + 1][0] = m[2], half[h + 1][1] = m[3];
+          }
+          if constexpr (NT % 2 == 0) {
+            unsigned m[2];
+            LoadTwo(m, at + read_at[NT / 2]);
+            half[NT][0] = m[0], half[NT][1] = m[1];
+          }
+        };
+        if constexpr (kChecked) FillZero(acc[1]);
 #pragma unroll
-        for (int h = 0; h + 1 <= NT; h += 2) {
-          unsigned m[4];
-          LoadFour(m, at + read_at[h / 2]);
-          half[h][0] = m[0], half[h][1] = m[1];
-          half[h + 1][0] = m[2], half[h + 1][1] = m[3];
-        }
-        if constexpr (NT % 2 == 0) {
-          unsigned m[2];
-          LoadTwo(m, at + read_at[NT / 2]);
-          half[NT][0] = m[0], half[NT][1] = m[1];
-        }
-#pragma unroll
-        for (int o = 0; o < R; ++o) {
-          if (i - o < 0 || i - o >= KH) continue;
+        for (int i = 1; i < KH; ++i) {
+          if (!inside(i)) continue;
+          unsigned half[NT + 1][2];
+          load(i, half);
 #pragma unroll
           for (int u = 0; u < NT; ++u) {
-            MmaAdd<T>(acc[o][u], half[u][0], half[u][1], half[u + 1][0],
-                      half[u + 1][1], b0, b1, i == o);
+            MmaAdd<T>(acc[1][u], acc[1][u], half[u][0], half[u][1],
+                      half[u + 1][0], half[u + 1][1], b0, b1,
+                      !kChecked && i == 1);
           }
         }
+        if (inside(0)) {
+          unsigned half[NT + 1][2];
+          load(0, half);
+#pragma unroll
+          for (int u = 0; u < NT; ++u) {
+            MmaAdd<T>(acc[0][u], acc[1][u], half[u][0], half[u][1],
+                      half[u + 1][0], half[u + 1][1], b0, b1, false);
+          }
+        } else {
+#pragma unroll
+          for (int u = 0; u < NT; ++u) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[0][u][e] = acc[1][u][e];
+          }
+        }
+        if (inside(KH)) {
+          unsigned half[NT + 1][2];
+          load(KH, half);
+#pragma unroll
+          for (int u = 0; u < NT; ++u) {
+            MmaAdd<T>(acc[1][u], acc[1][u], half[u][0], half[u][1],
+                      half[u + 1][0], half[u + 1][1], b0, b1, false);
+          }
+        }
+      };
+      if (k * R >= r_lo &&
+          static_cast<unsigned>(k * R + R + KH - 1 - r_lo) <= r_count) {
+        add_rows(std::false_type{});
+      } else {
+        add_rows(std::true_type{});
       }
       const unsigned stage_k = stage_at + (k & 1) * R * kStageRow;
 #pragma unroll
@@ -522,13 +576,14 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
 // NaN among its results sums its rows again element by element (here from
 // the planes in shared memory).
 //
-// On the H200 (CUDA events, us, 64x512 planes of 28x28): bfloat16 29.5,
-// float16 29.4, against PlanesNchw's 33.0. Its copies in and out alone (one
-// group a block, no sums) took 26.0. Not taken for the gathers, where
-// StripsNchw is faster (27.2 against 41 for a first form of this kernel),
-// nor where two buffers of planes and the stage do not fit three blocks a
-// multiprocessor (28x28 destination planes: StripsNchw's 33.3). Its first
-// forms took 51 us, then 39: the compiler computed B and the lanes'
+// On the H200 (CUDA events, us, 64x512 planes of 28x28): bfloat16 29.4,
+// float16 29.5, against PlanesNchw's 33.0 (30.4-31.3 and 30.3-31.4 with the
+// R * KH products a step that the sums over shared rows replaced). Its copies
+// in and out alone (one group a block, no sums) took 26.0. Not taken for the
+// gathers, where StripsNchw is faster (27.2 against 41 for a first form of this
+// kernel), nor where two buffers of planes and the stage do not fit three
+// blocks a multiprocessor (28x28 destination planes: StripsNchw's 33.3). Its
+// first forms took 51 us, then 39: the compiler computed B and the lanes'
 // addresses again at each product (hence the opaque moves); then steps of
 // two rows, every source row checked against the source's rows, and checks
 // of planes and columns at every store took 12 M instructions against 9.5 M
@@ -701,51 +756,85 @@ __global__ void __launch_bounds__(kPlaneMmaThreads, 3)
       // Destination rows o0 .. o0 + R - 1 add source rows r0 .. r0 + R +
       // KH - 2, row i into the rows o whose window holds it.
       const int o0 = R * st, r0 = o0 + g.off_h;
+      // Rows 2 .. KH - 1 of the step lie in all three destination rows'
+      // windows, rows 1 and KH in two: acc[1] sums the first, acc[0] takes
+      // it plus row 1, acc[2] it plus row KH, acc[1] becomes acc[0] plus
+      // row KH, and rows 0 and KH + 1 complete acc[0] and acc[2] (R + KH
+      // products a tile instead of R * KH). kChecked: skips the rows
+      // outside the source, zeros whose products add nothing.
+      static_assert(R == 3 && KH >= R);
       float acc[R][NT][4];
-      const auto add_row = [&](int i, unsigned at, auto first) {
-        // Each tile's four registers loaded on their own: shared with the
-        // neighbouring tile, they would be moved into place instead.
-        unsigned m[NT][4];
-#pragma unroll
-        for (int u = 0; u < NT; ++u) {
-          m[u][0] = LoadShared32(at + 16 * u);
-          m[u][1] = LoadShared32(at + hi_in + 16 * u);
-          m[u][2] = LoadShared32(at + 16 * u + 16);
-          m[u][3] = LoadShared32(at + hi_in + 16 * u + 16);
-        }
-#pragma unroll
-        for (int o = 0; o < R; ++o) {
-          if (i - o < 0 || i - o >= KH) continue;
+      const auto sums = [&](auto checked) {
+        constexpr bool kChecked = decltype(checked)::value;
+        const auto inside = [&](int i) {
+          return !kChecked ||
+                 static_cast<unsigned>(r0 + i) < static_cast<unsigned>(g.src_h);
+        };
+        // Row i's A registers, each tile's four loaded on their own:
+        // shared with the neighbouring tile, they would be moved into
+        // place instead.
+        const auto load = [&](int i, unsigned (&m)[NT][4]) {
+          const unsigned at = in_k + (r0 + i) * row_in;
 #pragma unroll
           for (int u = 0; u < NT; ++u) {
-            MmaAdd<T>(acc[o][u], m[u][0], m[u][1], m[u][2], m[u][3], b0[u],
-                      b1[u], decltype(first)::value && i == o);
+            m[u][0] = LoadShared32(at + 16 * u);
+            m[u][1] = LoadShared32(at + hi_in + 16 * u);
+            m[u][2] = LoadShared32(at + 16 * u + 16);
+            m[u][3] = LoadShared32(at + hi_in + 16 * u + 16);
           }
+        };
+        // acc[d] = acc[c] plus the products of m.
+        const auto add = [&](int d, int c, const unsigned (&m)[NT][4],
+                             bool first) {
+#pragma unroll
+          for (int u = 0; u < NT; ++u) {
+            MmaAdd<T>(acc[d][u], acc[c][u], m[u][0], m[u][1], m[u][2], m[u][3],
+                      b0[u], b1[u], first);
+          }
+        };
+        const auto copy = [&](int d, int c) {
+#pragma unroll
+          for (int u = 0; u < NT; ++u) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[d][u][e] = acc[c][u][e];
+          }
+        };
+        if constexpr (kChecked) FillZero(acc[1]);
+#pragma unroll
+        for (int i = 2; i < KH; ++i) {
+          if (!inside(i)) continue;
+          unsigned m[NT][4];
+          load(i, m);
+          add(1, 1, m, !kChecked && i == 2);
+        }
+        unsigned m[NT][4];
+        if (inside(1)) {
+          load(1, m);
+          add(0, 1, m, false);
+        } else {
+          copy(0, 1);
+        }
+        if (inside(KH)) {
+          load(KH, m);
+          add(2, 1, m, false);
+          add(1, 0, m, false);
+        } else {
+          copy(2, 1);
+          copy(1, 0);
+        }
+        if (inside(0)) {
+          load(0, m);
+          add(0, 0, m, false);
+        }
+        if (inside(KH + 1)) {
+          load(KH + 1, m);
+          add(2, 2, m, false);
         }
       };
       if (r0 >= 0 && r0 + R + KH - 1 <= g.src_h) {
-        // Every row inside the source: the first row of each sum starts it.
-        unsigned at = in_k + r0 * row_in;
-#pragma unroll
-        for (int i = 0; i < R + KH - 1; ++i, at += row_in) {
-          add_row(i, at, std::true_type{});
-        }
+        sums(std::false_type{});
       } else {
-#pragma unroll
-        for (int o = 0; o < R; ++o) {
-#pragma unroll
-          for (int u = 0; u < NT; ++u) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[o][u][e] = 0.f;
-          }
-        }
-#pragma unroll
-        for (int i = 0; i < R + KH - 1; ++i) {
-          const int r = r0 + i;
-          if (r >= 0 && r < g.src_h) {
-            add_row(i, in_k + r * row_in, std::false_type{});
-          }
-        }
+        sums(std::true_type{});
       }
 #pragma unroll
       for (int o = 0; o < R; ++o) {

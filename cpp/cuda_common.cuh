@@ -264,6 +264,17 @@ bool CanVectorise(const PoolShape& s, const void* in, const void* out) {
   return s.channels % V == 0 && aligned(in) && aligned(out);
 }
 
+// Sets every element of an accumulator array of any rank to zero.
+template <typename Acc>
+__device__ __forceinline__ void FillZero(Acc& v) {
+  v = Acc(0);
+}
+template <typename Acc, int N>
+__device__ __forceinline__ void FillZero(Acc (&v)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) FillZero(v[i]);
+}
+
 // Destination rows per item of SlideNhwc: the whole extent in segments of
 // at most 32 rows, split evenly. Each segment reloads the source rows that
 // the one above it loaded too, but the items of one segment per image were

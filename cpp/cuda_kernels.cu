@@ -170,17 +170,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Sets every element of an accumulator array of any rank to zero.
-template <typename Acc>
-__device__ __forceinline__ void FillZero(Acc& v) {
-  v = Acc(0);
-}
-template <typename Acc, int N>
-__device__ __forceinline__ void FillZero(Acc (&v)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) FillZero(v[i]);
-}
-
 // Stores the first min(n, B) of B adjacent NHWC positions, C elements apart,
 // each a vector of V channels: acc[b] times scale(b), narrowed.
 template <typename T, int B, int V, typename Acc, typename Scale>
