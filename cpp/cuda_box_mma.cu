@@ -55,14 +55,24 @@
 // alone 17-18, about 2.9 TB/s. Tried, not kept: each warp storing its results
 // straight from registers (movmatrix, 4-byte stores: 29-30 / 40-44), a block of
 // 128 channels (256 bytes a pixel: the same), rows brought into L2 two to six
-// steps ahead (1-5 us slower), 16-column strips (34.6 / 41.3); two steps of
-// rows in flight for 24-column strips (32.6 against 28.9, at three blocks a
-// multiprocessor instead of four), one for 32-column strips (44.5 against 38.7:
-// the gather's 28 columns take those). The tensor cores are not what holds
-// it: summing the rows a step's two destination rows share once (8 products a
-// tile a step instead of 14) and skipping the rows of zeros at the ends of the
-// gather's segments took the bfloat16 forward from 28.9-29.0 to 28.8-29.0
-// and the gather from 32.7-32.9 to 31.5-31.6.
+// steps ahead (1-5 us slower), 16-column strips (34.6 / 41.3); one step of
+// rows in flight for 32-column strips (44.5 against 38.7: the gather's 28
+// columns take those), three for the gather (32.7-32.9 against 31.1). The
+// tensor cores are not what holds it: summing the rows a step's two
+// destination rows share once (8 products a tile a step instead of 14) and
+// skipping the rows of zeros at the ends of the gather's segments took the
+// bfloat16 forward from 28.9-29.0 to 28.8-29.0 and the gather from 32.7-32.9
+// to 31.5-31.6.
+//
+// Stage buffers (ST): two let a step stage its rows while the block copies
+// out the last step's; one costs a second barrier a step and frees 6 KB (24
+// columns) or 8 KB (32). Two steps of rows in flight for 24-column strips
+// fit four blocks a multiprocessor only with one: the forward took 27.5-28.0
+// against 28.5-28.6 with one step and two buffers (32.6 with two steps and
+// two buffers, at three blocks). For 32-column strips the launcher takes one
+// buffer where that lets more blocks stay resident: with padding 3 (28
+// columns both ways), 36.6-36.7 against 40.5-40.6 (forward and gather alike);
+// where it does not (the bench's gather), two stay (31.1 against 31.7).
 #include <cstdint>
 #include <type_traits>
 
@@ -217,8 +227,8 @@ __device__ __forceinline__ unsigned FiniteFlag(unsigned v, unsigned flag) {
   return bits;
 }
 
-template <typename T, typename S, bool kGather, int NT, int P, bool kAdd,
-          bool kCompact>
+template <typename T, typename S, bool kGather, int NT, int P, int ST,
+          bool kAdd, bool kCompact>
 __global__ void __launch_bounds__(kMmaThreads, 4)
     MmaBoxNhwc(const PoolAttrs a, const PoolShape s, const T* __restrict__ src,
                T* __restrict__ dst, const int rows,
@@ -233,6 +243,7 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
   constexpr int kOutCopies = (8 * NT + 15) / 16;
   static_assert(NhwcBox<S>() && KW <= 9 && sizeof(T) == 2);
   static_assert(R == 2 && KH >= R);  // the step's shared rows, below
+  static_assert(ST == 1 || ST == 2);
   extern __shared__ __align__(128) unsigned char mma_ring[];
   // A ring row holds the NC source columns under a strip, zeros for those
   // outside the source; kCompact, only those in the source (at most
@@ -240,8 +251,8 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
   // column outside it.
   const int row_bytes = (kCompact ? ring_px : NC) * kPixelBytes;
   const int zero_px = ring_px - 1;
-  unsigned char* const stage = mma_ring + NR * row_bytes;  // [2][R] rows
-  float* const row_f = reinterpret_cast<float*>(stage + 2 * R * kStageRow);
+  unsigned char* const stage = mma_ring + NR * row_bytes;  // [ST][R] rows
+  float* const row_f = reinterpret_cast<float*>(stage + ST * R * kStageRow);
   float* const col_f = row_f + rows;
   const int64_t H = s.in_h, W = s.in_w, OH = s.out_h, OW = s.out_w;
   const int64_t src_h = kGather ? OH : H, src_w = kGather ? OW : W;
@@ -369,12 +380,12 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
       to = to + row_bytes < ring_end ? to + row_bytes
                                      : to + row_bytes - NR * row_bytes;
     };
-    // The copies out: the rows of step k, staged in buffer k & 1.
+    // The copies out: the rows of step k, staged in buffer k mod ST.
     T* const out =
         dst + ((n * dst_h + o0) * dst_w + w0 + cp0) * C + slab * 64 + cq * 8;
     const auto copy_out = [&](int k) {
       const unsigned char* const from_stage =
-          stage + (k & 1) * R * kStageRow + copy_at;
+          stage + (k % ST) * R * kStageRow + copy_at;
 #pragma unroll
       for (int o = 0; o < R; ++o) {
         if (k * R + o >= nrow) break;
@@ -488,7 +499,9 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
       } else {
         add_rows(std::true_type{});
       }
-      const unsigned stage_k = stage_at + (k & 1) * R * kStageRow;
+      // One stage buffer: every thread has copied the last step's rows out.
+      if constexpr (ST == 1) __syncthreads();
+      const unsigned stage_k = stage_at + (k % ST) * R * kStageRow;
 #pragma unroll
       for (int o = 0; o < R; ++o) {
         if (k * R + o >= nrow) break;
@@ -939,53 +952,66 @@ bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
       const int64_t src_w = kGather ? s.out_w : s.in_w;
       if (dst_h < kMmaMinRows) return false;
       const int rows = SlideRows(dst_h);
-      const auto launch = [&](auto nt, auto pp) {
+      // Strips of 8 * NT columns with rows P steps ahead, and ST stage
+      // buffers tried in the order given.
+      const auto launch = [&](auto nt, auto pp, auto... st) {
         constexpr int NT = decltype(nt)::value;
         constexpr int P = decltype(pp)::value;
-        const auto plain = MmaBoxNhwc<T, S, kGather, NT, P, kAdd, false>;
-        const auto compact = MmaBoxNhwc<T, S, kGather, NT, P, kAdd, true>;
+        using Kernel = void (*)(PoolAttrs, PoolShape, const T*, T*, int,
+                                SharedFactor<float>, int, int64_t);
         const int64_t items = s.batch * Groups(dst_h, rows) *
                               Groups(dst_w, 8 * NT) * (s.channels / 64);
-        if (items < kMmaMinItems || !MmaCompiled(plain)) return false;
-        if (kAdd && CodeOf(plain).binary < 90) return false;
+        if (items < kMmaMinItems) return false;
         // Compact ring rows: the source columns a strip can meet, and a
         // zero pixel.
         const int ring_px =
             static_cast<int>(std::min<int64_t>(8 * NT + 8, src_w)) + 1;
-        const size_t rest =
-            static_cast<size_t>(2 * kMmaRows) * 8 * NT * kPixelBytes +
-            static_cast<size_t>(rows + 8 * NT) * sizeof(float);
         const size_t ring_rows = MmaRing<S>(P);
-        const size_t plain_smem = ring_rows * (8 * NT + 8) * kPixelBytes + rest;
-        const size_t compact_smem = ring_rows * ring_px * kPixelBytes + rest;
-        const auto fit = [&](auto kernel, size_t smem, int64_t& resident) {
-          cudaError_t e = cudaFuncSetAttribute(
-              kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-              static_cast<int>(smem));
-          if (e == cudaSuccess) {
-            e = ResidentBlocks(kernel, kMmaThreads, smem, resident);
+        // Each form of the kernel (stage buffers, plain or compact rows)
+        // in turn, from the first; a later one is taken where more blocks
+        // stay resident and the items' waves over them take no longer:
+        // waves times blocks per multiprocessor, the time of a wave that
+        // shares the multiprocessors' throughput.
+        Kernel kernel = nullptr;
+        size_t smem = 0;
+        int64_t resident = 0;
+        const auto cost = [&](int64_t r) { return (items + r - 1) / r * r; };
+        const auto consider = [&](Kernel form, size_t form_smem) {
+          if (!MmaCompiled(form) || (kAdd && CodeOf(form).binary < 90)) {
+            return;
           }
-          return e;
+          int64_t r = 0;
+          cudaError_t e = cudaFuncSetAttribute(
+              form, cudaFuncAttributeMaxDynamicSharedMemorySize,
+              static_cast<int>(form_smem));
+          if (e == cudaSuccess)
+            e = ResidentBlocks(form, kMmaThreads, form_smem, r);
+          if (e != cudaSuccess) {
+            if (error == cudaSuccess) error = e;
+            return;
+          }
+          if (r > resident && (resident == 0 || cost(r) <= cost(resident))) {
+            kernel = form, smem = form_smem, resident = r;
+          }
         };
-        int64_t on_plain = 0, on_compact = 0;
-        error = fit(plain, plain_smem, on_plain);
+        const auto consider_stages = [&](auto stages) {
+          constexpr int ST = decltype(stages)::value;
+          const size_t rest =
+              static_cast<size_t>(ST * kMmaRows) * 8 * NT * kPixelBytes +
+              static_cast<size_t>(rows + 8 * NT) * sizeof(float);
+          const size_t plain_smem =
+              ring_rows * (8 * NT + 8) * kPixelBytes + rest;
+          const size_t compact_smem = ring_rows * ring_px * kPixelBytes + rest;
+          consider(MmaBoxNhwc<T, S, kGather, NT, P, ST, kAdd, false>,
+                   plain_smem);
+          if (compact_smem < plain_smem) {
+            consider(MmaBoxNhwc<T, S, kGather, NT, P, ST, kAdd, true>,
+                     compact_smem);
+          }
+        };
+        (consider_stages(st), ...);
         if (error != cudaSuccess) return true;
-        // The compact rows where narrow sources let more blocks stay
-        // resident, and the items' waves over them take no longer than
-        // over the plain kernel's: waves times blocks per multiprocessor,
-        // the time of a wave that shares the multiprocessors' throughput.
-        bool take_compact = false;
-        if (compact_smem < plain_smem) {
-          error = fit(compact, compact_smem, on_compact);
-          if (error != cudaSuccess) return true;
-          const auto cost = [&](int64_t resident) {
-            return (items + resident - 1) / resident * resident;
-          };
-          take_compact = on_compact > on_plain && on_plain > 0 &&
-                         cost(on_compact) <= cost(on_plain);
-        }
-        const auto kernel = take_compact ? compact : plain;
-        const size_t smem = take_compact ? compact_smem : plain_smem;
+        if (kernel == nullptr) return false;
         if constexpr (kAdd) {
           error = cudaMemsetAsync(
               dst, 0,
@@ -1001,12 +1027,18 @@ bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
         error = cudaGetLastError();
         return true;
       };
-      // Strips of 24 columns where the rows fit them, with rows one step
-      // ahead; else of 32, with two steps ahead.
-      return dst_w <= 24 ? launch(std::integral_constant<int, 3>{},
-                                  std::integral_constant<int, 1>{})
-                         : launch(std::integral_constant<int, 4>{},
-                                  std::integral_constant<int, 2>{});
+      using std::integral_constant;
+      // Strips of 24 columns where the rows fit them, rows two steps ahead
+      // and one stage buffer (four blocks a multiprocessor still); else of
+      // 32, two steps ahead, two stage buffers or one where that lets more
+      // blocks stay resident.
+      return dst_w <= 24 ? launch(integral_constant<int, 3>{},
+                                  integral_constant<int, 2>{},
+                                  integral_constant<int, 1>{})
+                         : launch(integral_constant<int, 4>{},
+                                  integral_constant<int, 2>{},
+                                  integral_constant<int, 2>{},
+                                  integral_constant<int, 1>{});
     }
   });
 }

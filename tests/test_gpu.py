@@ -500,9 +500,11 @@ def _tensor_core_box_cases() -> list:
     partial); two slabs of channels; calls of enough blocks (on an H200) that
     the ring rows hold only the source columns a strip meets, its other
     columns read from one pixel of zeros (the gather at paddings 0 and 1, and
-    at padding 3 with 300 blocks, the forward too); and three calls it leaves
-    to the other kernels (too few rows, too few blocks, channels not in slabs
-    of 64)."""
+    at padding 3 with 300 blocks, the forward too); calls where one stage
+    buffer lets more blocks stay resident (padding 3 with 448 blocks, with
+    compact rows; 56x56 images with 640, with whole ones); and three calls it
+    leaves to the other kernels (too few rows, too few blocks, channels not in
+    slabs of 64)."""
     calls = (
         ((16, 64, 28, 28), 0, {}),
         ((16, 64, 28, 28), 1, {}),
@@ -517,6 +519,8 @@ def _tensor_core_box_cases() -> list:
         ((64, 512, 28, 28), 0, {}),
         ((48, 448, 28, 28), 1, {"divisor_override": 30}),
         ((50, 384, 28, 28), 3, {}),
+        ((64, 448, 28, 28), 3, {}),
+        ((160, 64, 56, 56), 3, {}),
     )
     return _low_precision_7x7(calls, "NHWC")
 
