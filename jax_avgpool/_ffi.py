@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 import jax
+import jaxlib
 
 FORWARD_TARGET = "jax_avgpool_forward"
 BACKWARD_TARGET = "jax_avgpool_backward"
@@ -19,6 +22,50 @@ except ImportError as err:  # pragma: no cover - only without a build
 
 # XLA's platform names for the registrations the extension reports.
 _XLA_PLATFORMS = {"cpu": "cpu", "cuda": "CUDA"}
+
+
+def running_ffi_api() -> tuple[int, int] | None:
+    """The XLA FFI API version (major, minor) of the running jaxlib.
+
+    Read from the C API header that jaxlib ships with itself (the one a build
+    against it would use); None where the header cannot be read or parsed.
+    """
+    header = Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api" / "c_api.h"
+    try:
+        text = header.read_text()
+    except OSError:
+        return None
+    found = [re.search(rf"#define XLA_FFI_API_{part} (\d+)", text) for part in ("MAJOR", "MINOR")]
+    if not all(found):
+        return None
+    return int(found[0].group(1)), int(found[1].group(1))
+
+
+def ffi_api_mismatch(built: str, running: tuple[int, int] | None) -> str | None:
+    """Why handlers built against FFI API ``built`` ("major.minor") cannot run
+    under a jaxlib whose FFI API is ``running``, or None where they can.
+
+    XLA takes handlers of its own major version and of its minor version or
+    an older one; it refuses the others when a backend starts, which leaves
+    that backend unusable for every program, not only this package's.
+    """
+    if running is None:
+        return None
+    major, minor = (int(v) for v in built.split("."))
+    if major == running[0] and minor <= running[1]:
+        return None
+    return (
+        f"jax_avgpool's extension was built against XLA FFI API {built}, and the "
+        f"running jaxlib ({jaxlib.__version__}) takes API {running[0]}.{running[1]} or "
+        f"older of the same major version. Rebuild jax_avgpool against this jaxlib "
+        f"(`pip install --no-build-isolation --force-reinstall --no-deps .` from its "
+        f"source) or install a jaxlib whose FFI API is {built} or newer."
+    )
+
+
+_mismatch = ffi_api_mismatch(_ext.build_info()["xla_ffi_api"], running_ffi_api())
+if _mismatch is not None:
+    raise ImportError(_mismatch)
 
 
 def _register() -> tuple[str, ...]:

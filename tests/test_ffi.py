@@ -194,6 +194,54 @@ def test_build_info() -> None:
     assert jax_avgpool.build_info()["version"] == jax_avgpool.__version__
 
 
+def test_ffi_api_rule() -> None:
+    """Handlers run under a jaxlib of the same FFI major version and the same or a
+    newer minor one; the running jaxlib's version is read from its own header, and
+    this installation's extension passes."""
+    running = _ffi.running_ffi_api()
+    assert running is not None
+    assert _ffi.ffi_api_mismatch(jax_avgpool.build_info()["xla_ffi_api"], running) is None
+    assert _ffi.ffi_api_mismatch("0.3", (0, 4)) is None
+    assert _ffi.ffi_api_mismatch("0.4", (0, 4)) is None
+    assert _ffi.ffi_api_mismatch("0.9", None) is None  # unknown: no verdict
+    message = _ffi.ffi_api_mismatch("0.5", (0, 4))
+    assert message is not None
+    assert "built against XLA FFI API 0.5" in message and "takes API 0.4" in message
+    assert jaxlib.__version__ in message and "--no-build-isolation" in message
+    assert _ffi.ffi_api_mismatch("1.0", (0, 9)) is not None
+    assert _ffi.ffi_api_mismatch("0.1", (1, 0)) is not None
+
+
+def test_import_refuses_an_ffi_api_newer_than_jaxlibs(tmp_path: Path) -> None:
+    """Under a jaxlib whose FFI API is older than the extension's, importing the
+    package raises ImportError and registers nothing: XLA would refuse the
+    handlers when the CPU backend starts, and that backend would then fail for
+    every program. Simulated by a jaxlib header that declares API 0.0."""
+    header = tmp_path / "include" / "xla" / "ffi" / "api" / "c_api.h"
+    header.parent.mkdir(parents=True)
+    header.write_text("#define XLA_FFI_API_MAJOR 0\n#define XLA_FFI_API_MINOR 0\n")
+    child = textwrap.dedent(
+        f"""
+        import jax
+        import jax.ffi
+        jax.ffi.include_dir = lambda: {str(tmp_path / "include")!r}
+        try:
+            import jax_avgpool
+        except ImportError as err:
+            print("refused:", err)
+        import jax.numpy as jnp
+        print("jax still runs:", float(jnp.arange(4.0).sum()))
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", child], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "refused: jax_avgpool's extension was built against XLA FFI API" in proc.stdout
+    assert "takes API 0.0" in proc.stdout
+    assert "jax still runs: 6.0" in proc.stdout
+
+
 def test_targets_registered_for_cpu() -> None:
     """The two custom-call targets are what the primitives lower to on the CPU."""
     assert _ffi.FORWARD_TARGET == "jax_avgpool_forward"
