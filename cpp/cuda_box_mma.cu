@@ -455,27 +455,23 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
             half[NT][0] = m[0], half[NT][1] = m[1];
           }
         };
-        if constexpr (kChecked) FillZero(acc[1]);
-#pragma unroll
-        for (int i = 1; i < KH; ++i) {
-          if (!inside(i)) continue;
+        // acc[d] = acc[c] plus the products of the step's row i.
+        const auto add = [&](int d, int c, int i, bool first) {
           unsigned half[NT + 1][2];
           load(i, half);
 #pragma unroll
           for (int u = 0; u < NT; ++u) {
-            MmaAdd<T>(acc[1][u], acc[1][u], half[u][0], half[u][1],
-                      half[u + 1][0], half[u + 1][1], b0, b1,
-                      !kChecked && i == 1);
+            MmaAdd<T>(acc[d][u], acc[c][u], half[u][0], half[u][1],
+                      half[u + 1][0], half[u + 1][1], b0, b1, first);
           }
+        };
+        if constexpr (kChecked) FillZero(acc[1]);
+#pragma unroll
+        for (int i = 1; i < KH; ++i) {
+          if (inside(i)) add(1, 1, i, !kChecked && i == 1);
         }
         if (inside(0)) {
-          unsigned half[NT + 1][2];
-          load(0, half);
-#pragma unroll
-          for (int u = 0; u < NT; ++u) {
-            MmaAdd<T>(acc[0][u], acc[1][u], half[u][0], half[u][1],
-                      half[u + 1][0], half[u + 1][1], b0, b1, false);
-          }
+          add(0, 1, 0, false);
         } else {
 #pragma unroll
           for (int u = 0; u < NT; ++u) {
@@ -483,15 +479,7 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
             for (int e = 0; e < 4; ++e) acc[0][u][e] = acc[1][u][e];
           }
         }
-        if (inside(KH)) {
-          unsigned half[NT + 1][2];
-          load(KH, half);
-#pragma unroll
-          for (int u = 0; u < NT; ++u) {
-            MmaAdd<T>(acc[1][u], acc[1][u], half[u][0], half[u][1],
-                      half[u + 1][0], half[u + 1][1], b0, b1, false);
-          }
-        }
+        if (inside(KH)) add(1, 1, KH, false);
       };
       if (k * R >= r_lo &&
           static_cast<unsigned>(k * R + R + KH - 1 - r_lo) <= r_count) {
