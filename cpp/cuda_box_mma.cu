@@ -969,11 +969,10 @@ bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
             return;
           }
           int64_t r = 0;
-          cudaError_t e = cudaFuncSetAttribute(
-              form, cudaFuncAttributeMaxDynamicSharedMemorySize,
-              static_cast<int>(form_smem));
-          if (e == cudaSuccess)
+          cudaError_t e = AllowSharedMemory(form, form_smem);
+          if (e == cudaSuccess) {
             e = ResidentBlocks(form, kMmaThreads, form_smem, r);
+          }
           if (e != cudaSuccess) {
             if (error == cudaSuccess) error = e;
             return;
@@ -1115,12 +1114,8 @@ bool LaunchMmaPlanesNchw(cudaStream_t stream, const PoolAttrs& a,
         const int64_t groups = Groups(s.batch * s.channels, kPlaneMmaPlanes);
         error = cudaSuccess;
         if (groups == 0) return true;
-        if (smem > 48 * 1024) {
-          error = cudaFuncSetAttribute(
-              kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-              static_cast<int>(smem));
-          if (error != cudaSuccess) return true;
-        }
+        error = AllowSharedMemory(kernel, smem);
+        if (error != cudaSuccess) return true;
         // As many blocks as stay resident together, each looping over
         // groups of planes with the next group's copy in flight.
         int64_t blocks = 0;

@@ -10,7 +10,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
+#include <mutex>
 #include <type_traits>
+#include <unordered_map>
 
 #include "cuda_kernels.h"
 #include "kernel_spec.h"
@@ -552,21 +555,106 @@ inline int PieceOf(int64_t bytes, const void* p, int64_t element) {
   return static_cast<int>(q);
 }
 
+// What the launchers ask the runtime about a kernel on a device (the blocks
+// that stay resident together, the architecture of its code, leave to use
+// more than 48 KiB of dynamic shared memory) does not change once asked, and
+// asking costs a microsecond or more per question; a launcher choosing among
+// several forms of a kernel asked a dozen questions a call. The answers are
+// kept per device and kernel (and threads and shared memory, where they
+// matter), in maps shared by the threads that call the handlers.
+struct KernelKey {
+  const void* kernel;
+  int device;
+  int threads;
+  size_t smem;
+  bool operator==(const KernelKey& o) const {
+    return kernel == o.kernel && device == o.device && threads == o.threads &&
+           smem == o.smem;
+  }
+};
+struct KernelKeyHash {
+  size_t operator()(const KernelKey& k) const {
+    size_t h = std::hash<const void*>()(k.kernel);
+    for (const size_t v : {static_cast<size_t>(k.device),
+                           static_cast<size_t>(k.threads), k.smem}) {
+      h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    }
+    return h;
+  }
+};
+template <typename V>
+struct KernelFacts {
+  std::mutex mutex;
+  std::unordered_map<KernelKey, V, KernelKeyHash> known;
+  bool Find(const KernelKey& key, V& value) {
+    const std::lock_guard<std::mutex> lock(mutex);
+    const auto it = known.find(key);
+    if (it == known.end()) return false;
+    value = it->second;
+    return true;
+  }
+  void Keep(const KernelKey& key, const V& value) {
+    const std::lock_guard<std::mutex> lock(mutex);
+    known[key] = value;
+  }
+};
+
+template <typename Kernel>
+cudaError_t KeyOf(Kernel kernel, int threads, size_t smem, KernelKey& key) {
+  int device = 0;
+  const cudaError_t err = cudaGetDevice(&device);
+  key = KernelKey{reinterpret_cast<const void*>(kernel), device, threads, smem};
+  return err;
+}
+
 // How many blocks of `kernel` (threads and dynamic shared memory as given)
 // stay resident together on the current device, into `blocks`.
+inline KernelFacts<int64_t>& ResidentFacts() {
+  static KernelFacts<int64_t> facts;
+  return facts;
+}
 template <typename Kernel>
 cudaError_t ResidentBlocks(Kernel kernel, int threads, size_t smem,
                            int64_t& blocks) {
-  int device = 0, sms = 0, per_sm = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) {
-    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  }
+  KernelKey key;
+  cudaError_t err = KeyOf(kernel, threads, smem, key);
+  if (err != cudaSuccess || ResidentFacts().Find(key, blocks)) return err;
+  int sms = 0, per_sm = 0;
+  err =
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, key.device);
   if (err == cudaSuccess) {
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel,
                                                         threads, smem);
   }
   blocks = int64_t{sms} * per_sm;
+  if (err == cudaSuccess) ResidentFacts().Keep(key, blocks);
+  return err;
+}
+
+// Lets `kernel` launch with `smem` bytes of dynamic shared memory on the
+// current device: raises its limit where that is more than 48 KiB and more
+// than it was raised to before (never lowers it, so that the launches of
+// other calls stay within it).
+inline KernelFacts<size_t>& SharedMemoryFacts() {
+  static KernelFacts<size_t> facts;
+  return facts;
+}
+template <typename Kernel>
+cudaError_t AllowSharedMemory(Kernel kernel, size_t smem) {
+  if (smem <= 48 * 1024) return cudaSuccess;
+  KernelKey key;
+  cudaError_t err = KeyOf(kernel, 0, 0, key);
+  if (err != cudaSuccess) return err;
+  KernelFacts<size_t>& facts = SharedMemoryFacts();
+  // One lock over the check and the raise: two threads raising the same
+  // kernel's limit must not leave it at the lower of their values.
+  const std::lock_guard<std::mutex> lock(facts.mutex);
+  size_t& allowed = facts.known[key];
+  if (allowed >= smem) return cudaSuccess;
+  err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(smem));
+  if (err == cudaSuccess) allowed = smem;
   return err;
 }
 
@@ -575,14 +663,27 @@ cudaError_t ResidentBlocks(Kernel kernel, int threads, size_t smem,
 struct KernelCode {
   int ptx, binary;
 };
+inline KernelFacts<KernelCode>& CodeFacts() {
+  static KernelFacts<KernelCode> facts;
+  return facts;
+}
 template <typename Kernel>
 KernelCode CodeOf(Kernel kernel) {
+  KernelKey key;
+  KernelCode code{0, 0};
+  if (KeyOf(kernel, 0, 0, key) != cudaSuccess) {
+    cudaGetLastError();
+    return code;
+  }
+  if (CodeFacts().Find(key, code)) return code;
   cudaFuncAttributes attrs;
   if (cudaFuncGetAttributes(&attrs, kernel) != cudaSuccess) {
     cudaGetLastError();
-    return {0, 0};
+    return code;
   }
-  return {attrs.ptxVersion, attrs.binaryVersion};
+  code = KernelCode{attrs.ptxVersion, attrs.binaryVersion};
+  CodeFacts().Keep(key, code);
+  return code;
 }
 
 template <typename Fn>
