@@ -577,27 +577,38 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
 // NaN among its results sums its rows again element by element (here from
 // the planes in shared memory).
 //
-// On the H200 (CUDA events, us, 64x512 planes of 28x28): bfloat16 29.4,
-// float16 29.5, against PlanesNchw's 33.0 (30.4-31.3 and 30.3-31.4 with the
-// R * KH products a step that the sums over shared rows replaced). Its copies
-// in and out alone (one group a block, no sums) took 26.0. Not taken for the
-// gathers, where StripsNchw is faster (27.2 against 41 for a first form of this
-// kernel), nor where two buffers of planes and the stage do not fit three
-// blocks a multiprocessor (28x28 destination planes: StripsNchw's 33.3). Its
-// first forms took 51 us, then 39: the compiler computed B and the lanes'
-// addresses again at each product (hence the opaque moves); then steps of
-// two rows, every source row checked against the source's rows, and checks
-// of planes and columns at every store took 12 M instructions against 9.5 M
-// now (still bound by instruction issue: 46% of issue slots used).
+// Eight warps a block, two blocks a multiprocessor (by registers): over
+// 28x28 planes each warp takes one step of the 22 destination rows. On the
+// H200 (CUDA events, us, 64x512 planes of 28x28): bfloat16 26.7-27.1,
+// float16 26.9-27.0, against 28.2-28.9 and 28.7-28.8 with four warps at
+// three blocks (12 warps a multiprocessor where now 16) and PlanesNchw's
+// 33.0; with padding 1, 30.6-30.9 against 32.8-33.3. Eight warps at three
+// blocks (80 registers, spills) and the stage copied out by one bulk copy
+// (cp.async.bulk, two stages) were slower: 34.4 with padding 1, and 32.1
+// for 28x28. Before the sums over shared rows, the R * KH products a step
+// took 30.4-31.3 with four warps. Its copies in and out alone (one group a
+// block, no sums, four warps) took 26.0. Not taken for the gathers, where
+// StripsNchw is faster (27.2 against 41 for a first form of this kernel),
+// nor where two buffers of planes and the stage take more than
+// kPlaneMmaMaxShared. Its first forms took 51 us, then 39: the compiler
+// computed B and the lanes' addresses again at each product (hence the
+// opaque moves); then steps of two rows, every source row checked against
+// the source's rows, and checks of planes and columns at every store took
+// 12 M instructions against 9.5 M with four warps (bound then by the
+// latency of too few warps: 46% of issue slots used).
 constexpr int kPlaneMmaPlanes = 16;
-constexpr int kPlaneMmaWarps = 4;
+constexpr int kPlaneMmaWarps = 8;
 constexpr int kPlaneMmaThreads = 32 * kPlaneMmaWarps;
 constexpr int kPlaneMmaRows = 3;  // destination rows of a warp's step
-// At most this much shared memory a block: three blocks a multiprocessor.
+// At most this much shared memory a block. Larger planes take StripsNchw:
+// with up to 112 KiB (still two blocks), 28x28 planes with padding 3 took
+// 35.1 us against its 32.0, and 30x30 float16 planes with padding 2 22.1
+// against 21.5, though 32x32 planes took 21.7 against 26.3.
 constexpr size_t kPlaneMmaMaxShared = 72 * 1024;
 // Taken for calls of at least this many groups for each block that stays
 // resident. With fewer, the copies of a block's groups barely overlap its
-// sums, and the other kernels are faster (H200, us, against them: 128 planes
+// sums, and the other kernels were faster (H200, us, four warps a block at
+// three blocks a multiprocessor, against them: 128 planes
 // of 28x28, 8.0 against 5.5; 448 planes of 23x30 with padding 1, 7.2
 // against 5.1; 8192 planes of 20x26 with padding 2, 512 groups for 396
 // blocks, 10.5 against 9.9).
@@ -637,7 +648,7 @@ __device__ __forceinline__ unsigned LoadShared32(unsigned at) {
 
 // kShared: every window shares one divisor (shared.value).
 template <typename T, typename S, int NT, bool kShared>
-__global__ void __launch_bounds__(kPlaneMmaThreads, 3)
+__global__ void __launch_bounds__(kPlaneMmaThreads, 2)
     MmaPlanesNchw(const PoolAttrs a, const MmaPlaneGeom g,
                   const T* __restrict__ src, T* __restrict__ dst,
                   const SharedFactor<float> shared, const int64_t planes) {

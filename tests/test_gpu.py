@@ -537,7 +537,7 @@ def _low_precision_7x7(calls: tuple, layout: str) -> list:
 def _tensor_core_plane_cases() -> list:
     """7x7/1 NCHW forwards of 16-bit types with rows of even width, destination
     rows 18 to 32 wide and at least two groups of 16 planes for each resident
-    block (at least 12,672 planes on an H200), which the tensor-core plane
+    block (at least 8,448 planes on an H200), which the tensor-core plane
     kernel takes: planes of 28x28 at paddings 0 to 2 (K sides starting at even
     and odd columns, tiles of 24 and 32 columns) and each divisor rule, with
     ceil_mode; a last group of 13 planes; rows of 30 columns; and calls it
