@@ -600,11 +600,19 @@ constexpr int kPlaneMmaPlanes = 16;
 constexpr int kPlaneMmaWarps = 8;
 constexpr int kPlaneMmaThreads = 32 * kPlaneMmaWarps;
 constexpr int kPlaneMmaRows = 3;  // destination rows of a warp's step
-// At most this much shared memory a block. Larger planes take StripsNchw:
-// with up to 112 KiB (still two blocks), 28x28 planes with padding 3 took
-// 35.1 us against its 32.0, and 30x30 float16 planes with padding 2 22.1
-// against 21.5, though 32x32 planes took 21.7 against 26.3.
-constexpr size_t kPlaneMmaMaxShared = 72 * 1024;
+// At most this much shared memory a block: two blocks a multiprocessor on
+// the H200 (228 KiB, 1 KiB of it reserved a block), and the launcher takes
+// the kernel only where two blocks stay resident. With a limit of 72 KiB
+// before (three blocks of four warps), larger planes went to StripsNchw.
+// Of 15 forwards of 8192 to 32768 planes of 28 to 36 rows and columns at
+// paddings 0 to 3 that now come here (H200, us), 12 took 12-30% less time
+// (32x32 21.6-21.7 against 25.9-26.4; with padding 1 21.9-22.2 against
+// 30.8-31.1; 30x30 with padding 3 21.3-21.4 against 30.4-30.9; 36x36 25.3
+// against 30.5-31.0), 34x30 planes with padding 1 the same (17.7-17.8),
+// and two took longer: 28x28 planes with padding 3 35.0-35.5 against
+// 31.8-32.4, and 30x30 float16 planes with padding 2 22.0-22.1 against
+// 21.2-21.5.
+constexpr size_t kPlaneMmaMaxShared = 112 * 1024;
 // Taken for calls of at least this many groups for each block that stays
 // resident. With fewer, the copies of a block's groups barely overlap its
 // sums, and the other kernels were faster (H200, us, four warps a block at
@@ -1125,6 +1133,13 @@ bool LaunchMmaPlanesNchw(cudaStream_t stream, const PoolAttrs& a,
         const int64_t groups = Groups(s.batch * s.channels, kPlaneMmaPlanes);
         error = cudaSuccess;
         if (groups == 0) return true;
+        int device = 0, sms = 0;
+        error = cudaGetDevice(&device);
+        if (error == cudaSuccess) {
+          error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount,
+                                         device);
+        }
+        if (error != cudaSuccess) return true;
         error = AllowSharedMemory(kernel, smem);
         if (error != cudaSuccess) return true;
         // As many blocks as stay resident together, each looping over
@@ -1132,7 +1147,10 @@ bool LaunchMmaPlanesNchw(cudaStream_t stream, const PoolAttrs& a,
         int64_t blocks = 0;
         error = ResidentBlocks(kernel, kPlaneMmaThreads, smem, blocks);
         if (error != cudaSuccess) return true;
-        if (blocks < 1 || groups < kPlaneMmaMinLoops * blocks) return false;
+        // Two blocks a multiprocessor (16 warps), or the other kernels.
+        if (blocks < 2 * int64_t{sms} || groups < kPlaneMmaMinLoops * blocks) {
+          return false;
+        }
         kernel<<<static_cast<unsigned>(blocks), kPlaneMmaThreads, smem,
                  stream>>>(a, g, src, dst, shared, s.batch * s.channels);
         error = cudaGetLastError();

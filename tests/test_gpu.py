@@ -540,11 +540,15 @@ def _tensor_core_plane_cases() -> list:
     block (at least 8,448 planes on an H200), which the tensor-core plane
     kernel takes: planes of 28x28 at paddings 0 to 2 (K sides starting at even
     and odd columns, tiles of 24 and 32 columns) and each divisor rule, with
-    ceil_mode; a last group of 13 planes; rows of 30 columns; and calls it
-    leaves to the other kernels (too few planes, an odd width, destination rows
-    of 16 columns). The gathers of these calls run on the other kernels."""
+    ceil_mode; a last group of 13 planes; rows of 30 columns; planes of 32x32
+    and 30x30 (at padding 3), whose buffers and stage take more than 72 KiB of
+    shared memory; and calls it leaves to the other kernels (too few planes,
+    an odd width, destination rows of 16 columns). The gathers of these calls
+    run on the other kernels."""
     calls = (
         ((64, 256, 28, 28), 0, {}),
+        ((64, 256, 32, 32), 1, {}),
+        ((70, 129, 30, 30), 3, {"count_include_pad": False}),
         ((64, 256, 28, 28), 1, {}),
         ((64, 256, 28, 28), 2, {"count_include_pad": False}),
         ((64, 256, 26, 26), 3, {"divisor_override": 11}),
