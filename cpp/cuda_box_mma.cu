@@ -1135,10 +1135,7 @@ bool LaunchMmaPlanesNchw(cudaStream_t stream, const PoolAttrs& a,
         if (groups == 0) return true;
         int device = 0, sms = 0;
         error = cudaGetDevice(&device);
-        if (error == cudaSuccess) {
-          error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount,
-                                         device);
-        }
+        if (error == cudaSuccess) error = Multiprocessors(device, sms);
         if (error != cudaSuccess) return true;
         error = AllowSharedMemory(kernel, smem);
         if (error != cudaSuccess) return true;

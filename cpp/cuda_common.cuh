@@ -607,6 +607,11 @@ cudaError_t KeyOf(Kernel kernel, int threads, size_t smem, KernelKey& key) {
   return err;
 }
 
+// The multiprocessors of `device`, into `sms`.
+inline cudaError_t Multiprocessors(int device, int& sms) {
+  return cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+}
+
 // How many blocks of `kernel` (threads and dynamic shared memory as given)
 // stay resident together on the current device, into `blocks`.
 inline KernelFacts<int64_t>& ResidentFacts() {
@@ -620,8 +625,7 @@ cudaError_t ResidentBlocks(Kernel kernel, int threads, size_t smem,
   cudaError_t err = KeyOf(kernel, threads, smem, key);
   if (err != cudaSuccess || ResidentFacts().Find(key, blocks)) return err;
   int sms = 0, per_sm = 0;
-  err =
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, key.device);
+  err = Multiprocessors(key.device, sms);
   if (err == cudaSuccess) {
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel,
                                                         threads, smem);
