@@ -62,7 +62,11 @@
 // destination rows share once (8 products a tile a step instead of 14) and
 // skipping the rows of zeros at the ends of the gather's segments took the
 // bfloat16 forward from 28.9-29.0 to 28.8-29.0 and the gather from 32.7-32.9
-// to 31.5-31.6.
+// to 31.5-31.6. Nor were chains of products: sliding accumulators (one
+// source row a step, added into each of the KH destination rows whose
+// windows hold it, 21 independent products a step for 24 columns): the
+// forward took 27.3-27.7 against 27.4-27.6, the gather (28 products a
+// step, 164 registers, three blocks) 39.7-40.2 against 30.8-31.0.
 //
 // Stage buffers (ST): two let a step stage its rows while the block copies
 // out the last step's; one costs a second barrier a step and frees 6 KB (24
