@@ -441,6 +441,33 @@ __device__ __forceinline__ Split3 Decompose(int64_t i, int64_t m, int64_t n,
   return {t / m, t % m, i % n};
 }
 
+// CoverOf (pooling.h) in 32-bit arithmetic when `narrow`: every extent,
+// padding, window and stride of the call below 2**30, so that no sum here
+// leaves 32 bits. The generic kernels divide by runtime strides, and 64-bit
+// division costs several times as many instructions.
+__device__ __forceinline__ Cover CoverOfFast(int64_t i, int64_t out, int64_t k,
+                                             int64_t s, int64_t lo,
+                                             bool narrow) {
+  if (!narrow) return CoverOf(i, out, k, s, lo);
+  const int32_t low = static_cast<int32_t>(i + lo - k + 1);
+  const uint32_t s32 = static_cast<uint32_t>(s);
+  Cover c;
+  c.first = low <= 0 ? 0 : (static_cast<uint32_t>(low) + s32 - 1) / s32;
+  const int64_t high = static_cast<uint32_t>(i + lo) / s32;
+  c.last = high < out - 1 ? high : out - 1;
+  return c;
+}
+
+// Whether every extent, padding, window and stride of a call is below
+// 2**30 (CoverOfFast's `narrow`).
+__device__ __forceinline__ bool SmallGeometry(const PoolAttrs& a,
+                                              const PoolShape& s) {
+  constexpr int64_t kSmall = int64_t{1} << 30;
+  return (s.in_h | s.in_w | s.out_h | s.out_w | a.kernel_h | a.kernel_w |
+          a.stride_h | a.stride_w | a.pad_top | a.pad_bottom | a.pad_left |
+          a.pad_right) < kSmall;
+}
+
 // (i / n, i % n), in 32-bit arithmetic when `narrow`.
 struct Split2 {
   int64_t quot, rem;

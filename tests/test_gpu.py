@@ -26,7 +26,7 @@ from cases import (
 )
 from jax.test_util import check_grads
 
-from jax_avgpool import avg_pool, avg_pool2d, build_info
+from jax_avgpool import avg_pool, avg_pool2d, build_info, plan
 
 pytestmark = pytest.mark.gpu
 
@@ -385,6 +385,39 @@ def test_specialised_kernels_on_gpu_match_oracle(
     assert_close(dx_gather, case.oracle_vjp(g), dtype, "gather gradient")
     assert_close(dx_scatter, case.oracle_vjp(g), dtype, "scatter gradient")
     np.testing.assert_array_equal(np.asarray(dx_gather), np.asarray(again))
+
+
+def _generic_gather_cases() -> list:
+    """NCHW calls of the generic gather's direct kernel (windows that overlap
+    too little for its tiles), in every dtype: a global average pool (7x7/7
+    over 7x7 planes, rows shorter than a work item), overlapping 5x5/3 with
+    padding, rows of whole 16-byte runs (vector stores), odd rows with
+    ceil_mode, and unequal windows and strides with a divisor override."""
+    calls = (
+        TorchCase((3, 40, 7, 7), 7),
+        TorchCase((2, 6, 17, 17), 5, 3, 2, count_include_pad=False),
+        TorchCase((2, 3, 24, 64), 4),
+        TorchCase((2, 5, 30, 37), (4, 3), (4, 5), 1, ceil_mode=True),
+        TorchCase((1, 2, 9, 50), (2, 5), (3, 6), (1, 2), divisor_override=3),
+    )
+    return _every_dtype(calls)
+
+
+@pytest.mark.parametrize(("case", "dtype"), _generic_gather_cases())
+def test_generic_nchw_gather_on_gpu_matches_oracle(
+    case: TorchCase, dtype: np.dtype, gpu: jax.Device, rng: np.random.Generator
+) -> None:
+    """The runtime-parameter NCHW gather, several inputs a work item, against
+    the oracle and bitwise repeatable; the forward too."""
+    assert plan(
+        jax.ShapeDtypeStruct(case.shape, dtype),
+        case.kernel_size,
+        case.stride,
+        case.padding,
+        ceil_mode=case.ceil_mode,
+        platform="gpu",
+    )["backward"].endswith("__generic")
+    _check_forward_and_gather(case, dtype, gpu, rng)
 
 
 def _scatter_tile_cases() -> list:
