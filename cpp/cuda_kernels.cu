@@ -374,6 +374,137 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// NCHW gather of windows that do not overlap (strides at least as long as
+// the window: each dx element lies under one window or none), for the
+// generic kernel's calls, among them global average pools and k x k / k
+// windows. dx is one flat range, 16 bytes of it a work item stored by one
+// aligned vector; the item's first element is placed by fast divisions,
+// the rest by stepping along the row, and each dy element is divided by its
+// divisor once for the run of the row its window covers. Geometry below
+// 2**30 (DisjointFits); the flat index may be 64-bit.
+struct DisjointDivs {
+  FastDiv by_w, by_h, by_sw, by_sh;
+};
+
+template <typename T, int V>
+__global__ void __launch_bounds__(kThreads)
+    GatherNchwDisjoint(const PoolAttrs a, const PoolShape s,
+                       const DisjointDivs d, const T* __restrict__ dy,
+                       T* __restrict__ dx, const int64_t elements,
+                       const int64_t total) {
+  using N = Num<T>;
+  using Acc = typename N::Acc;
+  const int H = static_cast<int>(s.in_h), W = static_cast<int>(s.in_w);
+  const int OH = static_cast<int>(s.out_h), OW = static_cast<int>(s.out_w);
+  const int kh = static_cast<int>(a.kernel_h);
+  const int kw = static_cast<int>(a.kernel_w);
+  const int sh = static_cast<int>(a.stride_h);
+  const int sw = static_cast<int>(a.stride_w);
+  const int pt = static_cast<int>(a.pad_top);
+  const int pl = static_cast<int>(a.pad_left);
+  // The column window of w = 0 and the offset of w in it.
+  const int ow_start = d.by_sw(pl), r_start = pl - ow_start * sw;
+  for (int64_t item = FirstThread(); item < total; item += ThreadCount()) {
+    const int64_t e0 = item * V;
+    int64_t row_id;  // plane * H + h
+    int w;
+    if (e0 <= INT32_MAX) {
+      const int e = static_cast<int>(e0);
+      const int q = d.by_w(e);
+      row_id = q, w = e - q * W;
+    } else {
+      row_id = e0 / W, w = static_cast<int>(e0 - row_id * W);
+    }
+    int64_t p;
+    int h;
+    if (row_id <= INT32_MAX) {
+      const int r = static_cast<int>(row_id);
+      const int q = d.by_h(r);
+      p = q, h = r - q * H;
+    } else {
+      p = row_id / H, h = static_cast<int>(row_id - p * H);
+    }
+    // The row's window oh, whether h lies in it, and its extent.
+    int oh = 0;
+    bool row_in = false;
+    Window wh{};
+    const auto set_row = [&]() {
+      oh = d.by_sh(h + pt);
+      row_in = h + pt - oh * sh < kh && oh < OH;
+      wh = WindowAt(oh, H, kh, sh, pt, a.pad_bottom);
+    };
+    set_row();
+    int ow = d.by_sw(w + pl);
+    int r = w + pl - ow * sw;  // w's offset in window ow
+    Acc g = Acc(0);
+    bool have = false;  // g is dy[oh, ow] / divisor
+    Acc out[V];
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+      Acc val = Acc(0);
+      if (row_in && r < kw && ow < OW && e0 + v < elements) {
+        if (!have) {
+          const Window ww = WindowAt(ow, W, kw, sw, pl, a.pad_right);
+          g = N::Load(dy[(p * OH + oh) * OW + ow]) /
+              static_cast<Acc>(Divisor(a, wh, ww));
+          have = true;
+        }
+        val += g;
+      }
+      out[v] = val;
+      if (++w == W) {
+        w = 0;
+        if (++h == H) h = 0, ++p;
+        set_row();
+        ow = ow_start, r = r_start, have = false;
+      } else if (++r == sw) {
+        r = 0, ++ow, have = false;
+      }
+    }
+    T* const o = dx + e0;
+    if (e0 + V <= elements) {
+      Vec<T, V> vec;
+#pragma unroll
+      for (int v = 0; v < V; ++v) vec.v[v] = N::Store(out[v]);
+      *reinterpret_cast<Vec<T, V>*>(o) = vec;
+    } else {
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        if (e0 + v < elements) o[v] = N::Store(out[v]);
+      }
+    }
+  }
+}
+
+// Whether GatherNchwDisjoint takes a call: NCHW, windows that do not
+// overlap, geometry below 2**30.
+inline bool DisjointFits(const PoolAttrs& a, const PoolShape& s) {
+  constexpr int64_t kSmall = int64_t{1} << 30;
+  return a.layout == kNCHW && a.stride_h >= a.kernel_h &&
+         a.stride_w >= a.kernel_w &&
+         (s.in_h | s.in_w | s.out_h | s.out_w | a.kernel_h | a.kernel_w |
+          a.stride_h | a.stride_w | a.pad_top | a.pad_bottom | a.pad_left |
+          a.pad_right) < kSmall;
+}
+
+template <typename T>
+cudaError_t LaunchGatherNchwDisjoint(cudaStream_t stream, const PoolAttrs& a,
+                                     const PoolShape& s, const T* dy, T* dx) {
+  DisjointDivs d;
+  d.by_w = FastDiv::Of(static_cast<uint32_t>(s.in_w));
+  d.by_h = FastDiv::Of(static_cast<uint32_t>(s.in_h));
+  d.by_sw = FastDiv::Of(static_cast<uint32_t>(a.stride_w));
+  d.by_sh = FastDiv::Of(static_cast<uint32_t>(a.stride_h));
+  const int64_t elements = s.batch * s.channels * s.in_h * s.in_w;
+  constexpr int V = static_cast<int>(16 / sizeof(T));
+  if (reinterpret_cast<uintptr_t>(dx) % 16 == 0) {
+    return Launch(GatherNchwDisjoint<T, V>, stream, Groups(elements, V), a, s,
+                  d, dy, dx, elements);
+  }
+  return Launch(GatherNchwDisjoint<T, 1>, stream, elements, a, s, d, dy, dx,
+                elements);
+}
+
 // NHWC, generic: a work item is (image n and input row h, group of BLOCK
 // inputs, vector of V channels).
 template <typename T, typename S, int V>
@@ -3476,6 +3607,11 @@ cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
           return LaunchTiled(GatherNchwTiled<T, S>, stream,
                              planes * Groups(s.in_h, tile), bytes(tile), a, s,
                              in, out, tile, capacity(tile));
+        }
+        if constexpr (S::kGeneric) {
+          if (DisjointFits(a, s)) {
+            return LaunchGatherNchwDisjoint<T>(stream, a, s, in, out);
+          }
         }
         return Launch(
             GatherNchw<T, S>, stream,

@@ -388,17 +388,21 @@ def test_specialised_kernels_on_gpu_match_oracle(
 
 
 def _generic_gather_cases() -> list:
-    """NCHW calls of the generic gather's direct kernel (windows that overlap
-    too little for its tiles), in every dtype: a global average pool (7x7/7
-    over 7x7 planes, rows shorter than a work item), overlapping 5x5/3 with
-    padding, rows of whole 16-byte runs (vector stores), odd rows with
-    ceil_mode, and unequal windows and strides with a divisor override."""
+    """NCHW calls of the generic gather, in every dtype. Windows that do not
+    overlap (the flat kernel, 16 bytes of dx a work item): a global average
+    pool (7x7/7 over 7x7 planes, items that span rows and planes), rows of
+    whole windows, rows and columns that no window reaches, windows apart
+    with padding, odd rows with ceil_mode, and a divisor override.
+    Overlapping 5x5/3 with padding (the direct kernel, a row's run of
+    inputs a work item)."""
     calls = (
         TorchCase((3, 40, 7, 7), 7),
-        TorchCase((2, 6, 17, 17), 5, 3, 2, count_include_pad=False),
         TorchCase((2, 3, 24, 64), 4),
+        TorchCase((2, 3, 23, 30), 4),
+        TorchCase((1, 4, 19, 26), (3, 2), (5, 4), 1, count_include_pad=False),
         TorchCase((2, 5, 30, 37), (4, 3), (4, 5), 1, ceil_mode=True),
         TorchCase((1, 2, 9, 50), (2, 5), (3, 6), (1, 2), divisor_override=3),
+        TorchCase((2, 6, 17, 17), 5, 3, 2, count_include_pad=False),
     )
     return _every_dtype(calls)
 
@@ -407,8 +411,8 @@ def _generic_gather_cases() -> list:
 def test_generic_nchw_gather_on_gpu_matches_oracle(
     case: TorchCase, dtype: np.dtype, gpu: jax.Device, rng: np.random.Generator
 ) -> None:
-    """The runtime-parameter NCHW gather, several inputs a work item, against
-    the oracle and bitwise repeatable; the forward too."""
+    """The runtime-parameter NCHW gathers against the oracle and bitwise
+    repeatable; the forward too."""
     assert plan(
         jax.ShapeDtypeStruct(case.shape, dtype),
         case.kernel_size,
