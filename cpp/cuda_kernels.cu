@@ -319,11 +319,12 @@ __global__ void __launch_bounds__(kThreads, kNhwcForwardBlocks<T, S>)
 // kernel 16 bytes of them, over which it shares the covers' divisions by
 // its runtime strides (in 32-bit arithmetic where the geometry allows).
 // On the H200, with one input an item and 64-bit covers, against 16 bytes
-// and 32-bit covers (us): the bfloat16 gather of 7x7/7 windows over
+// and 32-bit covers (bench, us): the bfloat16 gather of 7x7/7 windows over
 // 128x2048 planes of 7x7 (a global average pool) 187 against 51.5 (XLA's
 // backward 16.6); float32 176 against 80; 5x5/3 over 64x768 planes of
 // 17x17, float32, 308 against 150 (XLA 165); 4x4/4 over 128x256 planes of
-// 56x56, bfloat16, 1722 against 363 (XLA 862).
+// 56x56, bfloat16, 1722 against 363 (XLA 862). Windows that do not
+// overlap mostly go to GatherNchwDisjoint (below) instead.
 template <typename T, typename S>
 constexpr int kNchwGatherBlock =
     S::kGeneric ? static_cast<int>(16 / sizeof(T)) : S::BLOCK;
@@ -477,11 +478,17 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Whether GatherNchwDisjoint takes a call: NCHW, windows that do not
-// overlap, geometry below 2**30.
-inline bool DisjointFits(const PoolAttrs& a, const PoolShape& s) {
+// overlap, rows of at least one work item (16 bytes), geometry below 2**30.
+// On rows shorter than an item, where every item crosses a row and the
+// lanes of a warp step apart, GatherNchw's runs of a row were faster in
+// 16-bit types (H200, bench, us, 7x7/7 over 128x2048 planes of 7x7:
+// bfloat16 51.5 against 68.6 here; float32, whose items are four
+// elements, 80.1 against 68.1 here).
+template <typename T>
+bool DisjointFits(const PoolAttrs& a, const PoolShape& s) {
   constexpr int64_t kSmall = int64_t{1} << 30;
-  return a.layout == kNCHW && a.stride_h >= a.kernel_h &&
-         a.stride_w >= a.kernel_w &&
+  return a.layout == kNCHW && s.in_w * sizeof(T) >= 16 &&
+         a.stride_h >= a.kernel_h && a.stride_w >= a.kernel_w &&
          (s.in_h | s.in_w | s.out_h | s.out_w | a.kernel_h | a.kernel_w |
           a.stride_h | a.stride_w | a.pad_top | a.pad_bottom | a.pad_left |
           a.pad_right) < kSmall;
@@ -3609,7 +3616,7 @@ cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
                              in, out, tile, capacity(tile));
         }
         if constexpr (S::kGeneric) {
-          if (DisjointFits(a, s)) {
+          if (DisjointFits<T>(a, s)) {
             return LaunchGatherNchwDisjoint<T>(stream, a, s, in, out);
           }
         }

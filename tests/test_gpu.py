@@ -389,12 +389,13 @@ def test_specialised_kernels_on_gpu_match_oracle(
 
 def _generic_gather_cases() -> list:
     """NCHW calls of the generic gather, in every dtype. Windows that do not
-    overlap (the flat kernel, 16 bytes of dx a work item): a global average
-    pool (7x7/7 over 7x7 planes, items that span rows and planes), rows of
-    whole windows, rows and columns that no window reaches, windows apart
-    with padding, odd rows with ceil_mode, and a divisor override.
-    Overlapping 5x5/3 with padding (the direct kernel, a row's run of
-    inputs a work item)."""
+    overlap (the flat kernel, 16 bytes of dx a work item, on rows of at
+    least 16 bytes): a global average pool (7x7/7 over 7x7 planes: items
+    that span rows and planes in float32 and float64, the direct kernel in
+    16-bit types), rows of whole windows, rows and columns that no window
+    reaches, windows apart with padding, odd rows with ceil_mode, and a
+    divisor override. Overlapping 5x5/3 with padding (the direct kernel, a
+    row's run of inputs a work item)."""
     calls = (
         TorchCase((3, 40, 7, 7), 7),
         TorchCase((2, 3, 24, 64), 4),
