@@ -2075,8 +2075,18 @@ template <bool kGather>
 constexpr int kPlaneCols = kGather ? 4 : 8;
 // A block takes the largest power of two of planes, at most
 // kPlaneMaxGroup, whose shared memory fits the 48 KiB that need no opt-in;
-// calls where fewer than kPlaneMinGroup fit keep the row kernels, as do the
-// 4- and 8-byte gathers and the gathers whose windows share one divisor.
+// where the row kernels take a call, calls where fewer than kPlaneMinGroup
+// fit keep them, as do the 4- and 8-byte gathers and the gathers whose
+// windows share one divisor. Where they cannot (rows not a whole number of
+// their chunks), every call whose group of two planes fits comes here,
+// the 3x3/1 ones too (SmallPlaneSpec); before, those went to the kernels
+// that load and store element by element (H200, bench, us, forward /
+// gather, against them): 3x3/1 with padding 1 over 64x288 planes of
+// 35x35, bfloat16 77.7 / 67.5 against 95.7 / 264.7, float32 64.9 / 67.0
+// against 94.0 / 264.8; over 64x768 of 17x17, bfloat16 52.8 / 51.8
+// against 78.5 / 246.2; 128x512 of 14x14, 33.7 / 31.9 against 65.8 /
+// 262.8; 7x7/1 over 64x512 of 31x45, bfloat16 123.8 / 144.5 against
+// 291.4 / 534.3, float32 121.3 / 131.8 against 277.8 / 533.8.
 // On the H200 (CUDA events, us, 64x512 planes of 28x28, 7x7/1, against the
 // row kernels), forward: bfloat16 32.6 against 40.6 (float16 32.5 against
 // 39.8; padding 3: 49.7 against 58.0, and with count_include_pad=False
@@ -2099,6 +2109,18 @@ constexpr bool PlaneSpec() {
     return false;
   } else {
     return S::SH == 1 && S::SW == 1 && S::KH == S::KW && S::KH >= 5;
+  }
+}
+
+// Stride-1 windows of 3x3, which PlanesNchw takes only where the row
+// kernels cannot (rows not a whole number of their chunks: the 35x35 and
+// 17x17 maps of Inception-style networks, 14x14, 7x7; see kPlaneMinGroup).
+template <typename S>
+constexpr bool SmallPlaneSpec() {
+  if constexpr (S::kGeneric) {
+    return false;
+  } else {
+    return S::SH == 1 && S::SW == 1 && S::KH == S::KW && S::KH == 3;
   }
 }
 
@@ -2213,6 +2235,34 @@ __device__ __forceinline__ void CopyInPlanes(unsigned char* slots,
   CommitCopies();
 }
 
+// CopyInPlanes for 16-bit planes of an odd number of elements, which no
+// cp.async piece of 4 bytes or more fits: the range's 4-byte words (`from`
+// is 4-byte aligned) through registers, each element to its plane's slot;
+// `per` elements a plane.
+__device__ __forceinline__ void CopyInPlaneWords(unsigned char* slots,
+                                                 int slot_bytes,
+                                                 const unsigned char* from,
+                                                 int per, FastDiv by_per,
+                                                 int np) {
+  const int n = np * per;
+#pragma unroll 4
+  for (int i = threadIdx.x; 2 * i < n; i += blockDim.x) {
+    const int e = 2 * i;
+    const unsigned word =
+        e + 1 < n ? reinterpret_cast<const unsigned*>(from)[i]
+                  : reinterpret_cast<const unsigned short*>(from)[e];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (e + h < n) {
+        const int p = by_per(e + h);
+        unsigned short* const plane =
+            reinterpret_cast<unsigned short*>(slots + p * slot_bytes);
+        plane[e + h - p * per] = static_cast<unsigned short>(word >> (16 * h));
+      }
+    }
+  }
+}
+
 template <typename T, typename S, bool kGather>
 __global__ void __launch_bounds__(kThreads)
     PlanesNchw(const PoolAttrs a, const PoolShape s, const T* __restrict__ src,
@@ -2273,8 +2323,10 @@ __global__ void __launch_bounds__(kThreads)
       CopyInPlanes<16>(to, slot_bytes, from, per, g.by_pieces, np);
     } else if (g.piece == 8) {
       CopyInPlanes<8>(to, slot_bytes, from, per, g.by_pieces, np);
-    } else {
+    } else if (g.piece == 4) {
       CopyInPlanes<4>(to, slot_bytes, from, per, g.by_pieces, np);
+    } else {
+      CopyInPlaneWords(to, slot_bytes, from, per, g.by_pieces, np);
     }
   };
   // Pass 1, with its compile-time choices.
@@ -2407,12 +2459,13 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // The geometry of a PlanesNchw call, or false when it does not take it:
-// NCHW, the left and top padding at most K / 2 and the others below K,
-// buffers aligned for pieces of 4 bytes or more, and kPlaneMinGroup planes
-// or more per group in the budget.
+// NCHW, the left and top padding at most K / 2 and the others below K, a
+// source aligned for pieces of 4 bytes or more (16-bit planes of an odd
+// number of elements: copied by words, CopyInPlaneWords), and `min_group`
+// planes or more per group in the budget.
 template <typename T, typename S, bool kGather>
 bool PlaneGeometry(const PoolAttrs& a, const PoolShape& s, const void* src,
-                   const void* dst, PlaneGeom& g) {
+                   const void* dst, int64_t min_group, PlaneGeom& g) {
   using Acc = typename Num<T>::Acc;
   constexpr int K = S::KH, G = kPlaneRows<kGather>, C = kPlaneCols<kGather>;
   constexpr int64_t VA = 16 / static_cast<int>(sizeof(Acc));
@@ -2437,7 +2490,12 @@ bool PlaneGeometry(const PoolAttrs& a, const PoolShape& s, const void* src,
                         reinterpret_cast<uintptr_t>(src) % piece != 0)) {
     piece /= 2;
   }
-  if (piece < 4 || reinterpret_cast<uintptr_t>(dst) % sz != 0) return false;
+  if (piece < 4) {
+    // Groups hold an even number of planes, so each starts 4-byte aligned.
+    if (sz != 2 || reinterpret_cast<uintptr_t>(src) % 4 != 0) return false;
+    piece = 2;
+  }
+  if (reinterpret_cast<uintptr_t>(dst) % sz != 0) return false;
   const int64_t pairs = (in_w + 1) / 2;
   const int64_t row_groups = (out_h + G - 1) / G;
   const int64_t col_groups = (out_w + C - 1) / C;
@@ -2473,10 +2531,9 @@ bool PlaneGeometry(const PoolAttrs& a, const PoolShape& s, const void* src,
     return bytes;
   };
   constexpr int64_t kBudget = kPlaneBudget;
-  constexpr int64_t kMin = kPlaneMinGroup<T, kGather>;
   int64_t p = kPlaneMaxGroup;
-  while (p >= kMin && layout(p, g) > kBudget) p /= 2;
-  if (p < kMin) return false;
+  while (p >= min_group && layout(p, g) > kBudget) p /= 2;
+  if (p < min_group) return false;
   g.group = static_cast<int>(p);
   g.in_h = static_cast<int>(in_h);
   g.in_w = static_cast<int>(in_w);
@@ -2512,15 +2569,20 @@ bool PlaneGeometry(const PoolAttrs& a, const PoolShape& s, const void* src,
   return true;
 }
 
+// rows_fit: whether the row kernels take the call, which they then keep
+// where they were faster (see kPlaneMinGroup).
 template <typename T, typename S, bool kGather>
 bool LaunchPlaneKernel(cudaStream_t stream, const PoolAttrs& a,
-                       const PoolShape& s, const T* src, T* dst,
+                       const PoolShape& s, const T* src, T* dst, bool rows_fit,
                        cudaError_t& err) {
   using Acc = typename Num<T>::Acc;
   const SharedFactor<Acc> shared = SharedFactorOf<Acc>(a, s);
-  if (kGather && shared.all) return false;
+  if (rows_fit && kGather && (shared.all || sizeof(T) != 2)) return false;
   PlaneGeom g;
-  if (!PlaneGeometry<T, S, kGather>(a, s, src, dst, g)) return false;
+  if (!PlaneGeometry<T, S, kGather>(
+          a, s, src, dst, rows_fit ? kPlaneMinGroup<T, kGather> : 2, g)) {
+    return false;
+  }
   const int64_t planes = s.batch * s.channels;
   const int64_t groups = (planes + g.group - 1) / g.group;
   if (groups == 0) {
@@ -2545,11 +2607,8 @@ bool LaunchPlaneKernel(cudaStream_t stream, const PoolAttrs& a,
 template <typename T, typename S, bool kGather>
 bool LaunchPlanes(cudaStream_t stream, const PoolAttrs& a, const PoolShape& s,
                   const T* src, T* dst, cudaError_t& err) {
-  if constexpr (kGather && sizeof(T) != 2) {
-    return false;
-  } else {
-    return LaunchPlaneKernel<T, S, kGather>(stream, a, s, src, dst, err);
-  }
+  return LaunchPlaneKernel<T, S, kGather>(
+      stream, a, s, src, dst, RowKernelsFit<T, S>(a, s, src, dst), err);
 }
 
 // ---------------------------------------------------------------------------
@@ -3374,6 +3433,13 @@ cudaError_t LaunchForward(cudaStream_t stream, DType dtype, const PoolAttrs& a,
         if (LaunchStrips<T, S, false>(stream, a, s, in, out, err)) return err;
         if (LaunchPlanes<T, S, false>(stream, a, s, in, out, err)) return err;
       }
+      if constexpr (SmallPlaneSpec<S>()) {
+        cudaError_t err = cudaSuccess;
+        if (!RowKernelsFit<T, S>(a, s, x, y) &&
+            LaunchPlanes<T, S, false>(stream, a, s, in, out, err)) {
+          return err;
+        }
+      }
       if (RowKernelsFit<T, S>(a, s, x, y)) {
         if constexpr (!S::kGeneric) {
           const int64_t chunks = RowChunks<S>(s);
@@ -3567,6 +3633,13 @@ cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
         cudaError_t err = cudaSuccess;
         if (LaunchStrips<T, S, true>(stream, a, s, in, out, err)) return err;
         if (LaunchPlanes<T, S, true>(stream, a, s, in, out, err)) return err;
+      }
+      if constexpr (SmallPlaneSpec<S>()) {
+        cudaError_t err = cudaSuccess;
+        if (!RowKernelsFit<T, S>(a, s, dy, dx) &&
+            LaunchPlanes<T, S, true>(stream, a, s, in, out, err)) {
+          return err;
+        }
       }
       if constexpr (HalfSpec<S>() && sizeof(T) <= 4) {
         // float32 only where the row kernels do not take the call (see

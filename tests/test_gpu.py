@@ -297,6 +297,36 @@ def test_plane_kernel_on_gpu_matches_oracle(
     _check_forward_and_gather(case, dtype, gpu, rng)
 
 
+def _plane_fallback_cases() -> list:
+    """NCHW calls whose rows the row kernels cannot take (widths not a
+    multiple of four), which the plane kernel takes where its groups of
+    planes fit, in every dtype, forward and gather alike (the gather also
+    in 4- and 8-byte types and where every window shares one divisor):
+    3x3/1 over Inception's 35x35 and 17x17 maps, 14x14 and 7x7 planes,
+    under each divisor rule and with ceil_mode; 7x7/1 over 31x45 planes,
+    whose 16-bit planes hold an odd number of elements (copied in by
+    words); counts of planes that leave the last group partial."""
+    calls = (
+        TorchCase((2, 5, 35, 35), 3, 1, 1),
+        TorchCase((3, 3, 17, 17), 3, 1, 1, count_include_pad=False),
+        TorchCase((1, 11, 14, 14), 3, 1, 0),
+        TorchCase((2, 7, 7, 7), 3, 1, 1, divisor_override=4),
+        TorchCase((1, 9, 35, 35), 3, 1, 1, ceil_mode=True),
+        TorchCase((2, 3, 31, 45), 7, 1, 0),
+        TorchCase((1, 5, 31, 45), 7, 1, 3, count_include_pad=False),
+    )
+    return _every_dtype(calls)
+
+
+@pytest.mark.parametrize(("case", "dtype"), _plane_fallback_cases())
+def test_plane_kernel_where_row_kernels_cannot_on_gpu(
+    case: TorchCase, dtype: np.dtype, gpu: jax.Device, rng: np.random.Generator
+) -> None:
+    """Forward and gather of calls the row kernels cannot take, against the
+    oracle, the gather bitwise repeatable."""
+    _check_forward_and_gather(case, dtype, gpu, rng)
+
+
 def _strip_cases() -> list:
     """7x7/1 NCHW calls that the strip kernel takes (planes of at most 32 rows
     and 32 strips of four columns, windows sharing one divisor): 16-bit
