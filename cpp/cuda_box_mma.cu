@@ -57,7 +57,12 @@
 // 128 channels (256 bytes a pixel: the same), rows brought into L2 two to six
 // steps ahead (1-5 us slower), 16-column strips (34.6 / 41.3); one step of
 // rows in flight for 32-column strips (44.5 against 38.7: the gather's 28
-// columns take those), three for the gather (32.7-32.9 against 31.1). The
+// columns take those), three for the gather (32.7-32.9 against 31.1); on
+// sm_90, the rows copied in and out by the tensor memory accelerator (one
+// thread issuing a row's copy, completion on mbarriers, zeros outside the
+// source from the hardware), which left the threads only the sums: bench,
+// bfloat16, 26.1 / 29.8 against 26.0 / 29.3, and 150 / 150 against 141 /
+// 142 for 128x56x56x256 with padding 3 (BENCHMARKS.md). The
 // tensor cores are not what holds it: summing the rows a step's two
 // destination rows share once (8 products a tile a step instead of 14) and
 // skipping the rows of zeros at the ends of the gather's segments took the
