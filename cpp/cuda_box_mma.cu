@@ -1028,11 +1028,7 @@ bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
         if (error != cudaSuccess) return true;
         if (kernel == nullptr) return false;
         if constexpr (kAdd) {
-          error = cudaMemsetAsync(
-              dst, 0,
-              static_cast<size_t>(s.batch * s.in_h * s.in_w * s.channels) *
-                  sizeof(T),
-              stream);
+          error = ZeroInputShape(dst, s, stream);
           if (error != cudaSuccess) return true;
         }
         const unsigned grid =

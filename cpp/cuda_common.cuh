@@ -459,9 +459,9 @@ __device__ __forceinline__ Cover CoverOfFast(int64_t i, int64_t out, int64_t k,
 }
 
 // Whether every extent, padding, window and stride of a call is below
-// 2**30 (CoverOfFast's `narrow`).
-__device__ __forceinline__ bool SmallGeometry(const PoolAttrs& a,
-                                              const PoolShape& s) {
+// 2**30 (CoverOfFast's `narrow`); the launchers ask it too.
+__host__ __device__ __forceinline__ bool SmallGeometry(const PoolAttrs& a,
+                                                       const PoolShape& s) {
   constexpr int64_t kSmall = int64_t{1} << 30;
   return (s.in_h | s.in_w | s.out_h | s.out_w | a.kernel_h | a.kernel_w |
           a.stride_h | a.stride_w | a.pad_top | a.pad_bottom | a.pad_left |
@@ -581,6 +581,16 @@ cudaError_t Launch(void (*kernel)(KArgs...), cudaStream_t stream, int64_t total,
 }
 
 inline int64_t Groups(int64_t n, int block) { return (n + block - 1) / block; }
+
+// Zeroes dx (the input's shape) on `stream`: the gathers that add their
+// results to it (the scatter's kAdd forms) launch after this.
+template <typename T>
+cudaError_t ZeroInputShape(T* dx, const PoolShape& s, cudaStream_t stream) {
+  return cudaMemsetAsync(
+      dx, 0,
+      static_cast<size_t>(s.batch * s.channels * s.in_h * s.in_w) * sizeof(T),
+      stream);
+}
 
 // The largest piece, of 16 bytes or fewer and at least `element`, that
 // divides `bytes` and the alignment of `p`.

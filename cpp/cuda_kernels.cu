@@ -486,12 +486,9 @@ __global__ void __launch_bounds__(kThreads)
 // elements, 80.1 against 68.1 here).
 template <typename T>
 bool DisjointFits(const PoolAttrs& a, const PoolShape& s) {
-  constexpr int64_t kSmall = int64_t{1} << 30;
   return a.layout == kNCHW && s.in_w * sizeof(T) >= 16 &&
          a.stride_h >= a.kernel_h && a.stride_w >= a.kernel_w &&
-         (s.in_h | s.in_w | s.out_h | s.out_w | a.kernel_h | a.kernel_w |
-          a.stride_h | a.stride_w | a.pad_top | a.pad_bottom | a.pad_left |
-          a.pad_right) < kSmall;
+         SmallGeometry(a, s);
 }
 
 template <typename T>
@@ -1978,12 +1975,7 @@ cudaError_t LaunchBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
   const unsigned grid =
       static_cast<unsigned>(std::min<int64_t>(items, INT32_MAX));
   if constexpr (kAdd) {
-    if (cudaError_t e = cudaMemsetAsync(
-            dst, 0,
-            static_cast<size_t>(s.batch * s.in_h * s.in_w * s.channels) *
-                sizeof(T),
-            stream);
-        e != cudaSuccess) {
+    if (cudaError_t e = ZeroInputShape(dst, s, stream); e != cudaSuccess) {
       return e;
     }
   }
@@ -3162,8 +3154,7 @@ bool LaunchStripsScatter(cudaStream_t stream, const PoolAttrs& a,
     const int64_t planes = s.batch * s.channels;
     StripGrid grid;
     if (!StripGridOf(planes, g.per_warp, g.warp_bytes, grid)) return false;
-    err = cudaMemsetAsync(
-        dx, 0, static_cast<size_t>(planes * s.in_h * s.in_w * sz), stream);
+    err = ZeroInputShape(dx, s, stream);
     if (err != cudaSuccess || grid.blocks == 0) return true;
     kernel<<<static_cast<unsigned>(grid.blocks), kStripThreads, grid.bytes,
              stream>>>(dy, dx, g, shared.value, planes);
