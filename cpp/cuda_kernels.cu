@@ -2595,12 +2595,15 @@ bool LaunchPlaneKernel(cudaStream_t stream, const PoolAttrs& a,
 }
 
 // Launches PlanesNchw with as many blocks as stay resident together (each
-// loops over groups), or returns false where it does not take the call.
+// loops over groups), or returns false where it does not take the call
+// (3x3/1 windows: only where the row kernels cannot, SmallPlaneSpec).
 template <typename T, typename S, bool kGather>
 bool LaunchPlanes(cudaStream_t stream, const PoolAttrs& a, const PoolShape& s,
                   const T* src, T* dst, cudaError_t& err) {
-  return LaunchPlaneKernel<T, S, kGather>(
-      stream, a, s, src, dst, RowKernelsFit<T, S>(a, s, src, dst), err);
+  const bool rows_fit = RowKernelsFit<T, S>(a, s, src, dst);
+  if (SmallPlaneSpec<S>() && rows_fit) return false;
+  return LaunchPlaneKernel<T, S, kGather>(stream, a, s, src, dst, rows_fit,
+                                          err);
 }
 
 // ---------------------------------------------------------------------------
@@ -3426,10 +3429,7 @@ cudaError_t LaunchForward(cudaStream_t stream, DType dtype, const PoolAttrs& a,
       }
       if constexpr (SmallPlaneSpec<S>()) {
         cudaError_t err = cudaSuccess;
-        if (!RowKernelsFit<T, S>(a, s, x, y) &&
-            LaunchPlanes<T, S, false>(stream, a, s, in, out, err)) {
-          return err;
-        }
+        if (LaunchPlanes<T, S, false>(stream, a, s, in, out, err)) return err;
       }
       if (RowKernelsFit<T, S>(a, s, x, y)) {
         if constexpr (!S::kGeneric) {
@@ -3627,10 +3627,7 @@ cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
       }
       if constexpr (SmallPlaneSpec<S>()) {
         cudaError_t err = cudaSuccess;
-        if (!RowKernelsFit<T, S>(a, s, dy, dx) &&
-            LaunchPlanes<T, S, true>(stream, a, s, in, out, err)) {
-          return err;
-        }
+        if (LaunchPlanes<T, S, true>(stream, a, s, in, out, err)) return err;
       }
       if constexpr (HalfSpec<S>() && sizeof(T) <= 4) {
         // float32 only where the row kernels do not take the call (see
