@@ -2053,6 +2053,26 @@ cudaError_t LaunchSlideNhwc(cudaStream_t stream, const PoolAttrs& a,
 // the copy-out; the grid keeps every block resident. The same sums on the
 // tensor cores (mma.sync with a 0/1 matrix, 16 planes a block) measured
 // slower for the bfloat16 7x7/1 (37.9 against 33.1 us; BENCHMARKS.md).
+//
+// 3x3 windows take one pass instead (`fused` in the kernel): a thread sums
+// kSmallPlaneCols destination columns over G rows straight from the source
+// planes into the stage, with no tmp, and the group's range is copied in as
+// it lies in global memory (CopyInRange: 16-byte pieces from the 16 bytes
+// holding its first byte, whatever the planes' size), rows and columns
+// outside a plane checked instead of read as zeros. On the H200 (CUDA
+// events, us, forward / gather, padding 1, against the two passes with 11
+// and 7 rows a pass-1 task): 64x288 planes of 35x35, bfloat16 41.6 / 41.5
+// against 78.7 / 68.1, float32 55.4 / 55.6 against 65.5 / 67.7, with
+// count_include_pad=False bfloat16 46.2 / 46.4 against 81.7 / 70.5;
+// 64x768 of 17x17, bfloat16 34.2 / 35.1 against 53.4 / 52.4, float32 38.1 /
+// 38.7 against 47.0 / 48.3; 128x512 of 14x14, bfloat16 27.2 / 27.8 against
+// 34.7 / 32.6, and float32 41.9 / 41.9 against 38.5 / 35.1, the one call
+// measured slower (4 rows a task took it to 34.5 / 34.6 but the others
+// 4-15% longer; one column a task, 37.7 / 38.3, and the others 6-22%
+// longer). Most of the gain is the copy in: the two passes with the
+// planes copied into their slots (16-bit planes of an odd number of
+// elements through registers, CopyInPlaneWords) took 70.0 / 69.4 for the
+// bfloat16 35x35 planes, and the one pass from those slots about the same.
 
 // Destination rows per thread of pass 1 and destination columns per thread
 // of pass 2: for 7x7/1 on 28x28 planes, whole multiples of the forward's 22
@@ -2060,20 +2080,28 @@ cudaError_t LaunchSlideNhwc(cudaStream_t stream, const PoolAttrs& a,
 // events), 11 rows took the bfloat16 forward 32.6 us against 35.7 for 8
 // (and with padding 3, over 28 rows, 49.7 against 47.0); choosing 7 or 11
 // rows at run time cost the gathers 3 us, as both passes then hold the
-// registers of the larger.
-template <bool kGather>
-constexpr int kPlaneRows = kGather ? 7 : 11;
+// registers of the larger. 3x3 windows: 7 rows a task of the one pass, a
+// divisor of 35 and 14 (the bfloat16 forward of 35x35 planes took 66.2 us
+// against 76.8 with the two passes at 7 rows instead of 11; 9 and 5 rows
+// took 76.8 and 67.7).
+template <bool kGather, int K>
+constexpr int kPlaneRows = kGather || K == 3 ? 7 : 11;
 template <bool kGather>
 constexpr int kPlaneCols = kGather ? 4 : 8;
+// 3x3 windows: destination columns per task of the one pass.
+constexpr int kSmallPlaneCols = 2;
 // A block takes the largest power of two of planes, at most
-// kPlaneMaxGroup, whose shared memory fits the 48 KiB that need no opt-in;
+// kPlaneMaxGroup (16 for 3x3 windows, whose groups hold no tmp: 17x17
+// and 14x14 planes took 6-20% less than with 8), whose shared memory fits
+// the 48 KiB that need no opt-in;
 // where the row kernels take a call, calls where fewer than kPlaneMinGroup
 // fit keep them, as do the 4- and 8-byte gathers and the gathers whose
 // windows share one divisor. Where they cannot (rows not a whole number of
 // their chunks), every call whose group of two planes fits comes here,
 // the 3x3/1 ones too (SmallPlaneSpec); before, those went to the kernels
 // that load and store element by element (H200, bench, us, forward /
-// gather, against them): 3x3/1 with padding 1 over 64x288 planes of
+// gather, against them, the 3x3/1 calls with the two passes, before the
+// one pass above): 3x3/1 with padding 1 over 64x288 planes of
 // 35x35, bfloat16 77.7 / 67.5 against 95.7 / 264.7, float32 64.9 / 67.0
 // against 94.0 / 264.8; over 64x768 of 17x17, bfloat16 52.8 / 51.8
 // against 78.5 / 246.2; 128x512 of 14x14, 33.7 / 31.9 against 65.8 /
@@ -2092,7 +2120,8 @@ constexpr int kPlaneCols = kGather ? 4 : 8;
 constexpr size_t kPlaneBudget = 48 * 1024;
 template <typename T, bool kGather>
 constexpr int kPlaneMinGroup = sizeof(T) == 2 && !kGather ? 2 : 4;
-constexpr int kPlaneMaxGroup = 8;
+template <int K>
+constexpr int kPlaneMaxGroup = K == 3 ? 16 : 8;
 
 // The specialisations that take it: stride 1, square windows of 5 and more.
 template <typename S>
@@ -2126,7 +2155,7 @@ struct PlaneGeom {
   int src_data;   // where the plane's row 0 starts in its slot
   int tmp_w;      // row stride of tmp
   int tmp_a;      // where column 0 is in a row of tmp
-  int piece;      // bytes per cp.async piece of the copy-in: 16, 8 or 4
+  int piece;      // bytes per piece of the copy-in: 16, 8, 4 or 2 (words)
   int out_piece;  // bytes per piece of a whole group's copy-out
   int tmp_at, stage_at, rf_at, cf_at, bytes;
   // The factor tables: rf[i - rf_lo] for the pooled rows i in
@@ -2134,7 +2163,9 @@ struct PlaneGeom {
   // outside the pooled extents.
   int rf_lo, rf_len, cf_len;
   int pairs, row_groups, col_groups;  // pass 1 and pass 2 extents
+  int col_tasks;                      // 3x3: tasks across a destination row
   FastDiv by_pairs, by_row_groups, by_rows2, by_out_h, by_pieces;
+  FastDiv by_col_tasks;
 };
 
 // Pass 1 for a task: the column sums of source columns c and c + 1 (when
@@ -2227,10 +2258,40 @@ __device__ __forceinline__ void CopyInPlanes(unsigned char* slots,
   CommitCopies();
 }
 
+// Copies bytes [a, b) of global `from` (16-byte aligned) into shared `to`
+// at the same offsets from a rounded down to 16: whole 16-byte pieces, the
+// last one read only up to b (the rest of it zeros), as one commit group.
+__device__ __forceinline__ void CopyInRange(unsigned char* to,
+                                            const unsigned char* from,
+                                            int64_t a, int64_t b) {
+  const int64_t a0 = a / 16 * 16;
+  const int n = static_cast<int>((b - a0 + 15) / 16);
+  const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(to));
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int64_t o = a0 + 16 * int64_t{i};
+    const int bytes = static_cast<int>(min(int64_t{16}, b - o));
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(
+            at + 16 * i),
+        "l"(from + o), "r"(bytes));
+#else
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (bytes == 16) {
+      v = *reinterpret_cast<const uint4*>(from + o);
+    } else {
+      memcpy(&v, from + o, bytes);
+    }
+    reinterpret_cast<uint4*>(to)[i] = v;
+#endif
+  }
+  CommitCopies();
+}
+
 // CopyInPlanes for 16-bit planes of an odd number of elements, which no
 // cp.async piece of 4 bytes or more fits: the range's 4-byte words (`from`
 // is 4-byte aligned) through registers, each element to its plane's slot;
-// `per` elements a plane.
+// `per` elements a plane. Windows larger than 3x3 only (3x3: CopyInRange).
 __device__ __forceinline__ void CopyInPlaneWords(unsigned char* slots,
                                                  int slot_bytes,
                                                  const unsigned char* from,
@@ -2263,7 +2324,7 @@ __global__ void __launch_bounds__(kThreads)
                const int64_t planes) {
   using N = Num<T>;
   using Acc = typename N::Acc;
-  constexpr int K = S::KH, G = kPlaneRows<kGather>, C = kPlaneCols<kGather>;
+  constexpr int K = S::KH, G = kPlaneRows<kGather, K>, C = kPlaneCols<kGather>;
   constexpr int VA = 16 / static_cast<int>(sizeof(Acc));  // per 16 bytes
   constexpr int KR = (C + K - 1 + VA - 1) / VA * VA;      // pass 2 loads
   extern __shared__ __align__(16) unsigned char smem[];
@@ -2306,19 +2367,31 @@ __global__ void __launch_bounds__(kThreads)
     return static_cast<int>(
         min(static_cast<int64_t>(g.group), planes - grp * g.group));
   };
+  // 3x3 windows: the group's range of the source as it lies in global
+  // memory, from the 16 bytes that hold its first byte; `lead` elements
+  // before the group's first plane.
+  const auto lead = [&](int64_t grp) {
+    return static_cast<int>(grp * g.group * in_bytes % 16 / sizeof(T));
+  };
   const auto copy_in = [&](int64_t grp) {
-    const unsigned char* from =
-        reinterpret_cast<const unsigned char*>(src + grp * g.group * in_plane);
-    unsigned char* to = smem + g.src_data * sizeof(T);
-    const int np = count(grp), per = in_bytes / g.piece;
-    if (g.piece == 16) {
-      CopyInPlanes<16>(to, slot_bytes, from, per, g.by_pieces, np);
-    } else if (g.piece == 8) {
-      CopyInPlanes<8>(to, slot_bytes, from, per, g.by_pieces, np);
-    } else if (g.piece == 4) {
-      CopyInPlanes<4>(to, slot_bytes, from, per, g.by_pieces, np);
+    if constexpr (K == 3) {
+      const int64_t a0 = grp * g.group * in_bytes;
+      CopyInRange(smem, reinterpret_cast<const unsigned char*>(src), a0,
+                  a0 + count(grp) * int64_t{in_bytes});
     } else {
-      CopyInPlaneWords(to, slot_bytes, from, per, g.by_pieces, np);
+      const unsigned char* from = reinterpret_cast<const unsigned char*>(
+          src + grp * g.group * in_plane);
+      unsigned char* to = smem + g.src_data * sizeof(T);
+      const int np = count(grp), per = in_bytes / g.piece;
+      if (g.piece == 16) {
+        CopyInPlanes<16>(to, slot_bytes, from, per, g.by_pieces, np);
+      } else if (g.piece == 8) {
+        CopyInPlanes<8>(to, slot_bytes, from, per, g.by_pieces, np);
+      } else if (g.piece == 4) {
+        CopyInPlanes<4>(to, slot_bytes, from, per, g.by_pieces, np);
+      } else {
+        CopyInPlaneWords(to, slot_bytes, from, per, g.by_pieces, np);
+      }
     }
   };
   // Pass 1, with its compile-time choices.
@@ -2339,6 +2412,82 @@ __global__ void __launch_bounds__(kThreads)
           kScale ? cf[c] : Acc(0), kScale ? cf[c + 1] : Acc(0));
     }
   };
+  // 3x3 windows: one pass from the source planes straight into the stage.
+  // A task takes NC adjacent destination columns from j0 over rows i0 .. i0
+  // + G - 1: the sums along W of the G + 2 source rows under them, then
+  // down H. The planes lie in shared memory as in global memory (from
+  // `first` elements on), so rows and columns outside the source are
+  // checked (once per task for the columns). kScale as in pass 1.
+  const auto fused = [&](int np, int first, auto scale) {
+    constexpr bool kScale = decltype(scale)::value;
+    constexpr int NC = kSmallPlaneCols;
+    const int tasks = np * g.col_tasks * g.row_groups;
+    for (int t = tid; t < tasks; t += nthreads) {
+      const int q = g.by_col_tasks(t), j0 = (t - q * g.col_tasks) * NC;
+      const int p = g.by_row_groups(q), i0 = (q - p * g.row_groups) * G;
+      const int c0 = j0 + g.off_w, r0 = i0 + g.off_h;
+      const T* rows =
+          src_s + first + p * static_cast<int>(in_plane) + r0 * g.in_w + c0;
+      bool in[NC + 2];
+      Acc cw[NC + 2];
+#pragma unroll
+      for (int u = 0; u < NC + 2; ++u) {
+        in[u] = c0 + u >= 0 && c0 + u < g.in_w;
+        cw[u] = kScale && in[u] ? cf[c0 + u] : Acc(0);
+      }
+      Acc h[NC][G + 2];
+#pragma unroll
+      for (int r = 0; r < G + 2; ++r) {
+        const bool row_in =
+            static_cast<unsigned>(r0 + r) < static_cast<unsigned>(g.in_h);
+        Acc x[NC + 2];
+#pragma unroll
+        for (int u = 0; u < NC + 2; ++u) {
+          x[u] = row_in && in[u] ? N::Load(rows[r * g.in_w + u]) : Acc(0);
+        }
+        if constexpr (kScale) {
+          const Acc rr = rf[r0 - g.rf_lo + r];
+#pragma unroll
+          for (int u = 0; u < NC + 2; ++u) x[u] *= rr * cw[u];
+        }
+        if constexpr (NC == 2) {
+          const Acc mid = x[1] + x[2];
+          h[0][r] = x[0] + mid;
+          h[1][r] = mid + x[3];
+        } else {
+          h[0][r] = x[0] + x[1] + x[2];
+        }
+      }
+      const int left = g.out_w - j0;
+#pragma unroll
+      for (int o = 0; o < G; ++o) {
+        const int i = i0 + o;
+        if (i >= g.out_h) break;
+        Acc y[NC];
+#pragma unroll
+        for (int b = 0; b < NC; ++b) {
+          y[b] = h[b][o] + h[b][o + 1] + h[b][o + 2];
+          if (!scaled) {
+            y[b] *= shared.value;
+          } else if (!kGather) {
+            y[b] *= rf[i] * cf[j0 + b];
+          }
+        }
+        T* to = stage_t + (p * g.out_h + i) * g.out_w + j0;
+        if (NC == 2 && left >= 2 && g.out_w % 2 == 0) {
+          Vec<T, 2> v;
+          v.v[0] = N::Store(y[0]);
+          v.v[1] = N::Store(y[NC - 1]);
+          *reinterpret_cast<Vec<T, 2>*>(to) = v;
+        } else {
+#pragma unroll
+          for (int b = 0; b < NC; ++b) {
+            if (b < left) to[b] = N::Store(y[b]);
+          }
+        }
+      }
+    }
+  };
   using True = std::true_type;
   using False = std::false_type;
   const bool even = g.in_w % 2 == 0, pair = even && g.tmp_a % 2 == 0;
@@ -2348,8 +2497,14 @@ __global__ void __launch_bounds__(kThreads)
     const int np = count(grp);
     CopyWait<0>();
     __syncthreads();
-    // Pass 1: down the columns.
-    if (kGather && scaled) {
+    if constexpr (K == 3) {
+      if (kGather && scaled) {
+        fused(np, lead(grp), True{});
+      } else {
+        fused(np, lead(grp), False{});
+      }
+    } else if (kGather && scaled) {
+      // Pass 1: down the columns.
       if (pair) {
         pass1(np, True{}, True{}, True{});
       } else if (even) {
@@ -2375,7 +2530,7 @@ __global__ void __launch_bounds__(kThreads)
     const int rows2 = g.group * g.out_h, live = np * g.out_h;
     const int tasks2 = rows2 * g.col_groups;
     const bool even_out = g.out_w % 2 == 0;
-    for (int t = tid; t < tasks2; t += nthreads) {
+    for (int t = tid; K != 3 && t < tasks2; t += nthreads) {
       const int k = g.by_rows2(t), q = t - k * rows2, j0 = k * C;
       if (q >= live) continue;
       const Acc* row = tmp + q * g.tmp_w + j0 + g.off_w + g.tmp_a;
@@ -2453,13 +2608,14 @@ __global__ void __launch_bounds__(kThreads)
 // The geometry of a PlanesNchw call, or false when it does not take it:
 // NCHW, the left and top padding at most K / 2 and the others below K, a
 // source aligned for pieces of 4 bytes or more (16-bit planes of an odd
-// number of elements: copied by words, CopyInPlaneWords), and `min_group`
-// planes or more per group in the budget.
+// number of elements: copied by words, CopyInPlaneWords), 16-byte aligned
+// for 3x3 windows (CopyInRange), and `min_group` planes or more per group
+// in the budget.
 template <typename T, typename S, bool kGather>
 bool PlaneGeometry(const PoolAttrs& a, const PoolShape& s, const void* src,
                    const void* dst, int64_t min_group, PlaneGeom& g) {
   using Acc = typename Num<T>::Acc;
-  constexpr int K = S::KH, G = kPlaneRows<kGather>, C = kPlaneCols<kGather>;
+  constexpr int K = S::KH, G = kPlaneRows<kGather, K>, C = kPlaneCols<kGather>;
   constexpr int64_t VA = 16 / static_cast<int>(sizeof(Acc));
   constexpr int64_t KR = (C + K - 1 + VA - 1) / VA * VA;
   constexpr int64_t sz = sizeof(T), acc = sizeof(Acc);
@@ -2482,7 +2638,10 @@ bool PlaneGeometry(const PoolAttrs& a, const PoolShape& s, const void* src,
                         reinterpret_cast<uintptr_t>(src) % piece != 0)) {
     piece /= 2;
   }
-  if (piece < 4) {
+  if (K == 3) {
+    // The group's range as it lies in global memory (CopyInRange).
+    if (reinterpret_cast<uintptr_t>(src) % 16 != 0) return false;
+  } else if (piece < 4) {
     // Groups hold an even number of planes, so each starts 4-byte aligned.
     if (sz != 2 || reinterpret_cast<uintptr_t>(src) % 4 != 0) return false;
     piece = 2;
@@ -2510,8 +2669,11 @@ bool PlaneGeometry(const PoolAttrs& a, const PoolShape& s, const void* src,
   const int64_t rf_len = kGather ? last - first + 1 : out_h;
   const int64_t cf_len = round(std::max(pairs * 2, col_groups * C), 4);
   const auto layout = [&](int64_t p, PlaneGeom& o) {
-    const int64_t tmp_at = p * slot * sz;
-    const int64_t stage_at = tmp_at + round(p * out_h * tmp_w * acc, 16);
+    // 3x3 windows: the group's range from 16 bytes before, and no tmp.
+    const int64_t tmp_at =
+        K == 3 ? round(p * in_bytes + 15, 16) : p * slot * sz;
+    const int64_t stage_at =
+        tmp_at + (K == 3 ? 0 : round(p * out_h * tmp_w * acc, 16));
     const int64_t rf_at = stage_at + round(p * out_h * out_w * sz, 16);
     const int64_t cf_at = rf_at + round(rf_len * acc, 16);
     const int64_t bytes = cf_at + cf_len * acc;
@@ -2523,7 +2685,7 @@ bool PlaneGeometry(const PoolAttrs& a, const PoolShape& s, const void* src,
     return bytes;
   };
   constexpr int64_t kBudget = kPlaneBudget;
-  int64_t p = kPlaneMaxGroup;
+  int64_t p = kPlaneMaxGroup<K>;
   while (p >= min_group && layout(p, g) > kBudget) p /= 2;
   if (p < min_group) return false;
   g.group = static_cast<int>(p);
@@ -2544,7 +2706,9 @@ bool PlaneGeometry(const PoolAttrs& a, const PoolShape& s, const void* src,
   g.pairs = static_cast<int>(pairs);
   g.row_groups = static_cast<int>(row_groups);
   g.col_groups = static_cast<int>(col_groups);
+  g.col_tasks = static_cast<int>(Groups(out_w, kSmallPlaneCols));
   g.by_pairs = FastDiv::Of(static_cast<uint32_t>(pairs));
+  g.by_col_tasks = FastDiv::Of(static_cast<uint32_t>(g.col_tasks));
   g.by_row_groups = FastDiv::Of(static_cast<uint32_t>(row_groups));
   g.by_rows2 = FastDiv::Of(static_cast<uint32_t>(p * out_h));
   g.by_out_h = FastDiv::Of(static_cast<uint32_t>(out_h));

@@ -305,9 +305,11 @@ def _plane_fallback_cases() -> list:
     3x3/1 over Inception's 35x35 and 17x17 maps, 14x14 and 7x7 planes,
     under each divisor rule and with ceil_mode; 7x7/1 over 31x45 planes,
     whose 16-bit planes hold an odd number of elements (copied in by
-    words); counts of planes that leave the last group partial."""
+    words); counts of planes that leave the last group partial; and enough
+    17x17 planes (18000) that each block takes several groups in turn."""
     calls = (
         TorchCase((2, 5, 35, 35), 3, 1, 1),
+        TorchCase((24, 750, 17, 17), 3, 1, 1),
         TorchCase((3, 3, 17, 17), 3, 1, 1, count_include_pad=False),
         TorchCase((1, 11, 14, 14), 3, 1, 0),
         TorchCase((2, 7, 7, 7), 3, 1, 1, divisor_override=4),
