@@ -2120,6 +2120,11 @@ constexpr int kSmallPlaneCols = 2;
 constexpr size_t kPlaneBudget = 48 * 1024;
 template <typename T, bool kGather>
 constexpr int kPlaneMinGroup = sizeof(T) == 2 && !kGather ? 2 : 4;
+// Where the row kernels cannot take a call: groups of two planes or more.
+// Groups are powers of two, so even: a group of 16-bit planes of an odd
+// number of elements starts 4-byte aligned, as CopyInPlaneWords needs.
+constexpr int kPlaneFallbackGroup = 2;
+static_assert(kPlaneFallbackGroup % 2 == 0);
 template <int K>
 constexpr int kPlaneMaxGroup = K == 3 ? 16 : 8;
 
@@ -2736,7 +2741,8 @@ bool LaunchPlaneKernel(cudaStream_t stream, const PoolAttrs& a,
   if (rows_fit && kGather && (shared.all || sizeof(T) != 2)) return false;
   PlaneGeom g;
   if (!PlaneGeometry<T, S, kGather>(
-          a, s, src, dst, rows_fit ? kPlaneMinGroup<T, kGather> : 2, g)) {
+          a, s, src, dst,
+          rows_fit ? kPlaneMinGroup<T, kGather> : kPlaneFallbackGroup, g)) {
     return false;
   }
   const int64_t planes = s.batch * s.channels;
