@@ -2088,7 +2088,8 @@ template <bool kGather, int K>
 constexpr int kPlaneRows = kGather || K == 3 ? 7 : 11;
 template <bool kGather>
 constexpr int kPlaneCols = kGather ? 4 : 8;
-// 3x3 windows: destination columns per task of the one pass.
+// 3x3 windows: destination columns per task of the one pass (a pair, whose
+// sums along W share two of their three terms).
 constexpr int kSmallPlaneCols = 2;
 // A block takes the largest power of two of planes, at most
 // kPlaneMaxGroup (16 for 3x3 windows, whose groups hold no tmp: 17x17
@@ -2418,7 +2419,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   };
   // 3x3 windows: one pass from the source planes straight into the stage.
-  // A task takes NC adjacent destination columns from j0 over rows i0 .. i0
+  // A task takes the NC = 2 destination columns from j0 over rows i0 .. i0
   // + G - 1: the sums along W of the G + 2 source rows under them, then
   // down H. The planes lie in shared memory as in global memory (from
   // `first` elements on), so rows and columns outside the source are
@@ -2426,6 +2427,7 @@ __global__ void __launch_bounds__(kThreads)
   const auto fused = [&](int np, int first, auto scale) {
     constexpr bool kScale = decltype(scale)::value;
     constexpr int NC = kSmallPlaneCols;
+    static_assert(NC == 2);
     const int tasks = np * g.col_tasks * g.row_groups;
     for (int t = tid; t < tasks; t += nthreads) {
       const int q = g.by_col_tasks(t), j0 = (t - q * g.col_tasks) * NC;
@@ -2455,13 +2457,9 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
           for (int u = 0; u < NC + 2; ++u) x[u] *= rr * cw[u];
         }
-        if constexpr (NC == 2) {
-          const Acc mid = x[1] + x[2];
-          h[0][r] = x[0] + mid;
-          h[1][r] = mid + x[3];
-        } else {
-          h[0][r] = x[0] + x[1] + x[2];
-        }
+        const Acc mid = x[1] + x[2];
+        h[0][r] = x[0] + mid;
+        h[1][r] = mid + x[3];
       }
       const int left = g.out_w - j0;
 #pragma unroll
@@ -2479,10 +2477,10 @@ __global__ void __launch_bounds__(kThreads)
           }
         }
         T* to = stage_t + (p * g.out_h + i) * g.out_w + j0;
-        if (NC == 2 && left >= 2 && g.out_w % 2 == 0) {
+        if (left >= 2 && g.out_w % 2 == 0) {
           Vec<T, 2> v;
           v.v[0] = N::Store(y[0]);
-          v.v[1] = N::Store(y[NC - 1]);
+          v.v[1] = N::Store(y[1]);
           *reinterpret_cast<Vec<T, 2>*>(to) = v;
         } else {
 #pragma unroll
