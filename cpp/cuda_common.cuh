@@ -301,14 +301,23 @@ inline int SlideRows(int64_t dst_h) {
 // from 26.3-26.6 to 26.1-26.3, the float32 ones from 46.7 to 45.9-46.2 and
 // from 48.7-48.9 to 48.2-48.4, and left the other bench calls as they were
 // (within 1%); 256-byte lines and an evict-first policy did not help.
+//
+// StartCopyPart copies 16 bytes to shared `dst` of which only the first
+// `bytes` (0 to 16) are read from `from`, the rest zeros.
+__device__ __forceinline__ void StartCopyPart(unsigned dst, const void* from,
+                                              int bytes) {
+#if __CUDA_ARCH__ >= 800
+  asm volatile(
+      "cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst),
+      "l"(from), "r"(bytes));
+#endif
+}
 template <int kBytes, bool kZeroFill>
 __device__ __forceinline__ void StartCopyTo(unsigned dst, const void* from,
                                             bool ok) {
 #if __CUDA_ARCH__ >= 800
   if constexpr (kZeroFill && kBytes == 16) {
-    asm volatile(
-        "cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst),
-        "l"(from), "r"(ok ? 16 : 0));
+    StartCopyPart(dst, from, ok ? 16 : 0);
   } else if constexpr (kZeroFill) {
     asm volatile(
         "cp.async.ca.shared.global.L2::128B [%0], [%1], %2, %3;\n" ::"r"(dst),

@@ -2277,10 +2277,7 @@ __device__ __forceinline__ void CopyInRange(unsigned char* to,
     const int64_t o = a0 + 16 * int64_t{i};
     const int bytes = static_cast<int>(min(int64_t{16}, b - o));
 #if __CUDA_ARCH__ >= 800
-    asm volatile(
-        "cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(
-            at + 16 * i),
-        "l"(from + o), "r"(bytes));
+    StartCopyPart(at + 16 * i, from + o, bytes);
 #else
     uint4 v = make_uint4(0, 0, 0, 0);
     if (bytes == 16) {
@@ -2526,62 +2523,66 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncthreads();
     if (grp + gridDim.x < groups) copy_in(grp + gridDim.x);
-    // Pass 2: along the rows, into the stage. Adjacent lanes take the same
-    // columns of adjacent rows (q, over the group's planes), whose loads
-    // fall on distinct banks as the rows of tmp are 16 bytes apart modulo
-    // the 128 bytes of the banks (an odd multiple of 16 bytes apart).
-    const int rows2 = g.group * g.out_h, live = np * g.out_h;
-    const int tasks2 = rows2 * g.col_groups;
-    const bool even_out = g.out_w % 2 == 0;
-    for (int t = tid; K != 3 && t < tasks2; t += nthreads) {
-      const int k = g.by_rows2(t), q = t - k * rows2, j0 = k * C;
-      if (q >= live) continue;
-      const Acc* row = tmp + q * g.tmp_w + j0 + g.off_w + g.tmp_a;
-      Acc v[KR];
+    // Pass 2, for windows larger than 3x3 (the one pass has filled the
+    // stage before the barrier above).
+    if constexpr (K != 3) {
+      // Along the rows, into the stage. Adjacent lanes take the same
+      // columns of adjacent rows (q, over the group's planes), whose loads
+      // fall on distinct banks as the rows of tmp are 16 bytes apart modulo
+      // the 128 bytes of the banks (an odd multiple of 16 bytes apart).
+      const int rows2 = g.group * g.out_h, live = np * g.out_h;
+      const int tasks2 = rows2 * g.col_groups;
+      const bool even_out = g.out_w % 2 == 0;
+      for (int t = tid; t < tasks2; t += nthreads) {
+        const int k = g.by_rows2(t), q = t - k * rows2, j0 = k * C;
+        if (q >= live) continue;
+        const Acc* row = tmp + q * g.tmp_w + j0 + g.off_w + g.tmp_a;
+        Acc v[KR];
 #pragma unroll
-      for (int u = 0; u < KR / VA; ++u) {
-        const Vec<Acc, VA> piece =
-            reinterpret_cast<const Vec<Acc, VA>*>(row)[u];
+        for (int u = 0; u < KR / VA; ++u) {
+          const Vec<Acc, VA> piece =
+              reinterpret_cast<const Vec<Acc, VA>*>(row)[u];
 #pragma unroll
-        for (int e = 0; e < VA; ++e) v[u * VA + e] = piece.v[e];
-      }
-      Acc out[C];
-      SlidingSums<K, C>([&](int u) { return v[u]; }, out);
-      if (!scaled) {
+          for (int e = 0; e < VA; ++e) v[u * VA + e] = piece.v[e];
+        }
+        Acc out[C];
+        SlidingSums<K, C>([&](int u) { return v[u]; }, out);
+        if (!scaled) {
 #pragma unroll
-        for (int b = 0; b < C; ++b) out[b] *= shared.value;
-      } else if (!kGather) {
-        const int i = q - g.by_out_h(q) * g.out_h;
-        const Acc r = rf[i];
+          for (int b = 0; b < C; ++b) out[b] *= shared.value;
+        } else if (!kGather) {
+          const int i = q - g.by_out_h(q) * g.out_h;
+          const Acc r = rf[i];
 #pragma unroll
-        for (int b = 0; b < C; ++b) out[b] *= r * cf[j0 + b];
-      }
-      T* to = stage_t + q * g.out_w + j0;
-      const int left = g.out_w - j0;
-      if (even_out) {
-        const auto put = [&](int b) {
-          Vec<T, 2> pair;
-          pair.v[0] = N::Store(out[b]);
-          pair.v[1] = N::Store(out[b + 1]);
-          *reinterpret_cast<Vec<T, 2>*>(to + b) = pair;
-        };
-        if (left >= C) {
+          for (int b = 0; b < C; ++b) out[b] *= r * cf[j0 + b];
+        }
+        T* to = stage_t + q * g.out_w + j0;
+        const int left = g.out_w - j0;
+        if (even_out) {
+          const auto put = [&](int b) {
+            Vec<T, 2> pair;
+            pair.v[0] = N::Store(out[b]);
+            pair.v[1] = N::Store(out[b + 1]);
+            *reinterpret_cast<Vec<T, 2>*>(to + b) = pair;
+          };
+          if (left >= C) {
 #pragma unroll
-          for (int b = 0; b < C; b += 2) put(b);
+            for (int b = 0; b < C; b += 2) put(b);
+          } else {
+#pragma unroll
+            for (int b = 0; b < C; b += 2) {
+              if (b < left) put(b);
+            }
+          }
         } else {
 #pragma unroll
-          for (int b = 0; b < C; b += 2) {
-            if (b < left) put(b);
+          for (int b = 0; b < C; ++b) {
+            if (b < left) to[b] = N::Store(out[b]);
           }
         }
-      } else {
-#pragma unroll
-        for (int b = 0; b < C; ++b) {
-          if (b < left) to[b] = N::Store(out[b]);
-        }
       }
+      __syncthreads();
     }
-    __syncthreads();
     // Copy-out: the group's destination planes are contiguous.
     unsigned char* out_at =
         reinterpret_cast<unsigned char*>(dst + grp * g.group * out_plane);
