@@ -2058,21 +2058,37 @@ cudaError_t LaunchSlideNhwc(cudaStream_t stream, const PoolAttrs& a,
 // kSmallPlaneCols destination columns over G rows straight from the source
 // planes into the stage, with no tmp, and the group's range is copied in as
 // it lies in global memory (CopyInRange: 16-byte pieces from the 16 bytes
-// holding its first byte, whatever the planes' size), rows and columns
-// outside a plane checked instead of read as zeros. On the H200 (CUDA
-// events, us, forward / gather, padding 1, against the two passes with 11
-// and 7 rows a pass-1 task): 64x288 planes of 35x35, bfloat16 41.6 / 41.5
-// against 78.7 / 68.1, float32 55.4 / 55.6 against 65.5 / 67.7, with
-// count_include_pad=False bfloat16 46.2 / 46.4 against 81.7 / 70.5;
-// 64x768 of 17x17, bfloat16 34.2 / 35.1 against 53.4 / 52.4, float32 38.1 /
-// 38.7 against 47.0 / 48.3; 128x512 of 14x14, bfloat16 27.2 / 27.8 against
-// 34.7 / 32.6, and float32 41.9 / 41.9 against 38.5 / 35.1, the one call
-// measured slower (4 rows a task took it to 34.5 / 34.6 but the others
+// holding its first byte, whatever the planes' size); columns outside a
+// plane are masked to zero as they are loaded and rows outside it read
+// from a row of zeros. On the H200 (CUDA events, us, forward / gather,
+// padding 1), with two columns a task, each element checked for its row
+// and column as it was loaded, and groups of at most 16 planes, against
+// the two passes with 11 and 7 rows a pass-1 task: 64x288 planes of 35x35,
+// bfloat16 41.6 / 41.5 against 78.7 / 68.1, float32 55.4 / 55.6 against 65.5
+// / 67.7, with count_include_pad=False bfloat16 46.2 / 46.4 against 81.7
+// / 70.5; 64x768 of 17x17, bfloat16 34.2 / 35.1 against 53.4 / 52.4,
+// float32 38.1 / 38.7 against 47.0 / 48.3; 128x512 of 14x14, bfloat16 27.2
+// / 27.8 against 34.7 / 32.6, and float32 41.9 / 41.9 against 38.5 / 35.1, the
+// one call measured slower (4 rows a task took it to 34.5 / 34.6 but the others
 // 4-15% longer; one column a task, 37.7 / 38.3, and the others 6-22%
 // longer). Most of the gain is the copy in: the two passes with the
 // planes copied into their slots (16-bit planes of an odd number of
 // elements through registers, CopyInPlaneWords) took 70.0 / 69.4 for the
 // bfloat16 35x35 planes, and the one pass from those slots about the same.
+// Then four columns a task, the masks, groups of up to 32 planes and four
+// blocks a multiprocessor (kPlaneBlocks), against two columns (the same
+// harness and session): 35x35 bfloat16 36.2 / 36.5 against 41.5 / 41.2,
+// with count_include_pad=False 41.3 / 38.0 against 46.2 / 46.6, float32
+// 56.3 / 56.2 against 55.3 / 55.2; 17x17 bfloat16 27.8 / 27.9 against 34.4
+// / 35.1, float32 36.1 / 36.2 against 38.2 / 38.5; 14x14 float32 36.2 /
+// 36.1 against 41.8 / 41.7, but bfloat16 29.6 / 29.4 against 27.2 / 27.8
+// (14 columns fill 14 of the 16 that four tasks take, and 64 registers
+// let four blocks stay resident, against six at 40). The masks alone,
+// two columns a task, took the bfloat16 gathers 4-9% less and the
+// forwards about the same (40 registers became 48). Four columns at the
+// compiler's 74 registers in the gather took it 2-12% longer than at 64
+// (the float32 35x35 call 3% less); a cap of 48 spilled, up to 17%
+// slower (a few 14x14 calls 3-6% faster).
 
 // Destination rows per thread of pass 1 and destination columns per thread
 // of pass 2: for 7x7/1 on 28x28 planes, whole multiples of the forward's 22
@@ -2088,12 +2104,15 @@ template <bool kGather, int K>
 constexpr int kPlaneRows = kGather || K == 3 ? 7 : 11;
 template <bool kGather>
 constexpr int kPlaneCols = kGather ? 4 : 8;
-// 3x3 windows: destination columns per task of the one pass (a pair, whose
+// 3x3 windows: destination columns per task of the one pass (pairs, whose
 // sums along W share two of their three terms).
-constexpr int kSmallPlaneCols = 2;
+constexpr int kSmallPlaneCols = 4;
 // A block takes the largest power of two of planes, at most
-// kPlaneMaxGroup (16 for 3x3 windows, whose groups hold no tmp: 17x17
-// and 14x14 planes took 6-20% less than with 8), whose shared memory fits
+// kPlaneMaxGroup (32 for 3x3 windows, whose groups hold no tmp: with two
+// columns a task, 17x17 and 14x14 planes took 6-20% less in groups of 16
+// than of 8; with four, 14x14 bfloat16 planes 29.3 / 29.9 us in groups of
+// 32 against 30.8 / 34.4, where 16 leave half of the threads without a
+// task), whose shared memory fits
 // the 48 KiB that need no opt-in;
 // where the row kernels take a call, calls where fewer than kPlaneMinGroup
 // fit keep them, as do the 4- and 8-byte gathers and the gathers whose
@@ -2127,7 +2146,7 @@ constexpr int kPlaneMinGroup = sizeof(T) == 2 && !kGather ? 2 : 4;
 constexpr int kPlaneFallbackGroup = 2;
 static_assert(kPlaneFallbackGroup % 2 == 0);
 template <int K>
-constexpr int kPlaneMaxGroup = K == 3 ? 16 : 8;
+constexpr int kPlaneMaxGroup = K == 3 ? 32 : 8;
 
 // The specialisations that take it: stride 1, square windows of 5 and more.
 template <typename S>
@@ -2319,8 +2338,55 @@ __device__ __forceinline__ void CopyInPlaneWords(unsigned char* slots,
   }
 }
 
+// An element of shared memory widened to its accumulator where `m` is
+// kOn, zero where it is 0, whatever bits lie there: the mask goes on the
+// raw bits, so no NaN or infinity outside the source reaches a sum. For
+// bfloat16 the widening and the mask are one multiplication (the bits
+// times 0x10000 or 0), for the others an AND.
+template <typename T>
+struct Masked {
+  using Bits = typename RawBits<sizeof(T)>::type;
+  static constexpr Bits kOn = static_cast<Bits>(~Bits{0});
+  static __device__ __forceinline__ typename Num<T>::Acc Load(const T* p,
+                                                              Bits m) {
+    const Bits bits = static_cast<Bits>(*reinterpret_cast<const Bits*>(p) & m);
+    T v;
+    memcpy(&v, &bits, sizeof(T));
+    return Num<T>::Load(v);
+  }
+};
+template <>
+struct Masked<double> {
+  using Bits = unsigned long long;
+  static constexpr Bits kOn = ~Bits{0};
+  static __device__ __forceinline__ double Load(const double* p, Bits m) {
+    return __longlong_as_double(static_cast<long long>(
+        *reinterpret_cast<const unsigned long long*>(p) & m));
+  }
+};
+template <>
+struct Masked<__nv_bfloat16> {
+  using Bits = unsigned;
+  static constexpr Bits kOn = 0x10000u;
+  static __device__ __forceinline__ float Load(const __nv_bfloat16* p, Bits m) {
+    return __uint_as_float(
+        static_cast<unsigned>(*reinterpret_cast<const unsigned short*>(p)) * m);
+  }
+};
+
+// 3x3 windows: bytes of shared memory before a group's range (the one pass
+// reads up to two elements before a plane's row) and at least after it (up
+// to three after the last row).
+constexpr int kFusedMargin = 32;
+
+// Blocks a multiprocessor PlanesNchw is compiled for: four for the one
+// pass of 3x3 windows up to 4-byte types (64 registers; see the comment
+// above kPlaneRows); 0 leaves the others to the compiler.
+template <typename T, typename S>
+constexpr int kPlaneBlocks = S::KH == 3 && sizeof(T) <= 4 ? 4 : 0;
+
 template <typename T, typename S, bool kGather>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kPlaneBlocks<T, S>)
     PlanesNchw(const PoolAttrs a, const PoolShape s, const T* __restrict__ src,
                T* __restrict__ dst, const PlaneGeom g,
                const SharedFactor<typename Num<T>::Acc> shared,
@@ -2371,15 +2437,17 @@ __global__ void __launch_bounds__(kThreads)
         min(static_cast<int64_t>(g.group), planes - grp * g.group));
   };
   // 3x3 windows: the group's range of the source as it lies in global
-  // memory, from the 16 bytes that hold its first byte; `lead` elements
-  // before the group's first plane.
+  // memory, from the 16 bytes that hold its first byte, kFusedMargin bytes
+  // in; `lead` elements before the group's first plane.
   const auto lead = [&](int64_t grp) {
-    return static_cast<int>(grp * g.group * in_bytes % 16 / sizeof(T));
+    return static_cast<int>((kFusedMargin + grp * g.group * in_bytes % 16) /
+                            sizeof(T));
   };
   const auto copy_in = [&](int64_t grp) {
     if constexpr (K == 3) {
       const int64_t a0 = grp * g.group * in_bytes;
-      CopyInRange(smem, reinterpret_cast<const unsigned char*>(src), a0,
+      CopyInRange(smem + kFusedMargin,
+                  reinterpret_cast<const unsigned char*>(src), a0,
                   a0 + count(grp) * int64_t{in_bytes});
     } else {
       const unsigned char* from = reinterpret_cast<const unsigned char*>(
@@ -2419,71 +2487,101 @@ __global__ void __launch_bounds__(kThreads)
   // A task takes the NC = 2 destination columns from j0 over rows i0 .. i0
   // + G - 1: the sums along W of the G + 2 source rows under them, then
   // down H. The planes lie in shared memory as in global memory (from
-  // `first` elements on), so rows and columns outside the source are
-  // checked (once per task for the columns). kScale as in pass 1.
+  // `first` elements on), so the task reads its NC + 2 columns of each row
+  // in place, whether or not they lie in the plane (the neighbouring rows,
+  // planes or margins of the group): columns outside it are masked to zero
+  // as they are loaded (Masked, the masks taken once per task), and rows
+  // outside it are read from a row of zeros (at tmp_at, kFusedMargin bytes
+  // in, which nothing writes after the block's first barrier). kScale as
+  // in pass 1.
   const auto fused = [&](int np, int first, auto scale) {
     constexpr bool kScale = decltype(scale)::value;
     constexpr int NC = kSmallPlaneCols;
-    static_assert(NC == 2);
+    static_assert(NC % 2 == 0);
+    using M = Masked<T>;
+    using Bits = typename M::Bits;
     const int tasks = np * g.col_tasks * g.row_groups;
+    const bool even_out = g.out_w % 2 == 0;
     for (int t = tid; t < tasks; t += nthreads) {
       const int q = g.by_col_tasks(t), j0 = (t - q * g.col_tasks) * NC;
       const int p = g.by_row_groups(q), i0 = (q - p * g.row_groups) * G;
       const int c0 = j0 + g.off_w, r0 = i0 + g.off_h;
-      const T* rows =
-          src_s + first + p * static_cast<int>(in_plane) + r0 * g.in_w + c0;
-      bool in[NC + 2];
+      const T* const plane =
+          src_s + first + p * static_cast<int>(in_plane) + c0;
+      const T* const zeros =
+          reinterpret_cast<const T*>(smem + g.tmp_at + kFusedMargin) + c0;
+      Bits m[NC + 2];
       Acc cw[NC + 2];
 #pragma unroll
       for (int u = 0; u < NC + 2; ++u) {
-        in[u] = c0 + u >= 0 && c0 + u < g.in_w;
-        cw[u] = kScale && in[u] ? cf[c0 + u] : Acc(0);
+        const bool in =
+            static_cast<unsigned>(c0 + u) < static_cast<unsigned>(g.in_w);
+        m[u] = in ? M::kOn : Bits{0};
+        cw[u] = kScale && in ? cf[c0 + u] : Acc(0);
       }
       Acc h[NC][G + 2];
 #pragma unroll
       for (int r = 0; r < G + 2; ++r) {
-        const bool row_in =
-            static_cast<unsigned>(r0 + r) < static_cast<unsigned>(g.in_h);
+        const int rr = r0 + r;
+        const T* const row =
+            static_cast<unsigned>(rr) < static_cast<unsigned>(g.in_h)
+                ? plane + rr * g.in_w
+                : zeros;
         Acc x[NC + 2];
 #pragma unroll
-        for (int u = 0; u < NC + 2; ++u) {
-          x[u] = row_in && in[u] ? N::Load(rows[r * g.in_w + u]) : Acc(0);
-        }
+        for (int u = 0; u < NC + 2; ++u) x[u] = M::Load(row + u, m[u]);
         if constexpr (kScale) {
-          const Acc rr = rf[r0 - g.rf_lo + r];
+          const Acc rs = rf[r0 - g.rf_lo + r];
 #pragma unroll
-          for (int u = 0; u < NC + 2; ++u) x[u] *= rr * cw[u];
+          for (int u = 0; u < NC + 2; ++u) x[u] *= rs * cw[u];
         }
-        const Acc mid = x[1] + x[2];
-        h[0][r] = x[0] + mid;
-        h[1][r] = mid + x[3];
+        // Columns b and b + 1 share two of their three terms.
+#pragma unroll
+        for (int b = 0; b < NC; b += 2) {
+          const Acc mid = x[b + 1] + x[b + 2];
+          h[b][r] = x[b] + mid;
+          h[b + 1][r] = mid + x[b + 3];
+        }
       }
+      // Down H: rows o and o + 1 share the sum of rows o + 1 and o + 2.
+      const int nrow = g.out_h - i0;
       const int left = g.out_w - j0;
+      const bool pair = even_out;
+      T* to = stage_t + (p * g.out_h + i0) * g.out_w + j0;
 #pragma unroll
-      for (int o = 0; o < G; ++o) {
-        const int i = i0 + o;
-        if (i >= g.out_h) break;
-        Acc y[NC];
+      for (int o = 0; o < G; o += 2) {
+        if (o >= nrow) break;
 #pragma unroll
-        for (int b = 0; b < NC; ++b) {
-          y[b] = h[b][o] + h[b][o + 1] + h[b][o + 2];
-          if (!scaled) {
-            y[b] *= shared.value;
-          } else if (!kGather) {
-            y[b] *= rf[i] * cf[j0 + b];
-          }
-        }
-        T* to = stage_t + (p * g.out_h + i) * g.out_w + j0;
-        if (left >= 2 && g.out_w % 2 == 0) {
-          Vec<T, 2> v;
-          v.v[0] = N::Store(y[0]);
-          v.v[1] = N::Store(y[1]);
-          *reinterpret_cast<Vec<T, 2>*>(to) = v;
-        } else {
+        for (int d = 0; d < 2 && o + d < G; ++d) {
+          if (d == 1 && o + 1 >= nrow) break;
+          Acc y[NC];
 #pragma unroll
           for (int b = 0; b < NC; ++b) {
-            if (b < left) to[b] = N::Store(y[b]);
+            const Acc shared_rows = h[b][o + 1] + h[b][o + 2];
+            y[b] = d == 0 ? h[b][o] + shared_rows : shared_rows + h[b][o + 3];
+            if (!scaled) {
+              y[b] *= shared.value;
+            } else if (!kGather) {
+              y[b] *= rf[i0 + o + d] * cf[j0 + b];
+            }
           }
+          if (pair) {
+#pragma unroll
+            for (int b = 0; b < NC; b += 2) {
+              if (b < left) {
+                Vec<T, 2> v;
+                v.v[0] = N::Store(y[b]);
+                v.v[1] = N::Store(y[b + 1]);
+                *reinterpret_cast<Vec<T, 2>*>(to + b) = v;
+              }
+            }
+          } else {
+#pragma unroll
+            for (int b = 0; b < NC; ++b) {
+              if (b < left) to[b] = N::Store(y[b]);
+            }
+          }
+          to += g.out_w;
         }
       }
     }
@@ -2673,11 +2771,14 @@ bool PlaneGeometry(const PoolAttrs& a, const PoolShape& s, const void* src,
   const int64_t rf_len = kGather ? last - first + 1 : out_h;
   const int64_t cf_len = round(std::max(pairs * 2, col_groups * C), 4);
   const auto layout = [&](int64_t p, PlaneGeom& o) {
-    // 3x3 windows: the group's range from 16 bytes before, and no tmp.
-    const int64_t tmp_at =
-        K == 3 ? round(p * in_bytes + 15, 16) : p * slot * sz;
+    // 3x3 windows: the group's range from 16 bytes before, with margins
+    // (kFusedMargin), and in place of tmp a row of zeros with margins.
+    const int64_t tmp_at = K == 3
+                               ? round(p * in_bytes + 15 + 2 * kFusedMargin, 16)
+                               : p * slot * sz;
     const int64_t stage_at =
-        tmp_at + (K == 3 ? 0 : round(p * out_h * tmp_w * acc, 16));
+        tmp_at + (K == 3 ? round(in_w * sz + 2 * kFusedMargin, 16)
+                         : round(p * out_h * tmp_w * acc, 16));
     const int64_t rf_at = stage_at + round(p * out_h * out_w * sz, 16);
     const int64_t cf_at = rf_at + round(rf_len * acc, 16);
     const int64_t bytes = cf_at + cf_len * acc;

@@ -329,6 +329,47 @@ def test_plane_kernel_where_row_kernels_cannot_on_gpu(
     _check_forward_and_gather(case, dtype, gpu, rng)
 
 
+@pytest.mark.parametrize(
+    "case",
+    [TorchCase((2, 9, 17, 17), 3, 1, 1), TorchCase((2, 5, 14, 14), 3, 1, 0)],
+    ids=["17x17-pad1", "14x14-pad0"],
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_plane_one_pass_keeps_infinities_and_nans_in_their_windows(
+    case: TorchCase, dtype: np.dtype, gpu: jax.Device, rng: np.random.Generator
+) -> None:
+    """The 3x3/1 one pass reads the elements beside its columns and rows in
+    place (the row before or after, the neighbouring plane, the margins of the
+    group) and masks them: an infinity or NaN at a plane's first or last row
+    or column must reach exactly the outputs whose windows hold it, in the
+    forward and both gradients, as on the CPU."""
+    x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
+    spots = (  # (image, channel, row, column): the edges of the planes
+        ((0, 0, 0, -1), np.inf),
+        ((0, 1, -1, 0), -np.inf),
+        ((0, 2, -1, -1), np.nan),
+        ((0, 3, 0, 0), np.inf),
+        ((1, 2, 5, -1), -np.inf),
+        ((1, 3, 6, 0), np.nan),
+        ((1, 4, -1, -1), np.inf),
+    )
+    for a in (x, g):
+        for spot, value in spots:
+            a[spot] = value
+    cpu = jax.devices("cpu")[0]
+    with dtype_mode(dtype):
+        on_gpu = _forward_and_gradients(case, *_on(gpu, x, g))
+        on_cpu = _forward_and_gradients(case, *_on(cpu, x, g))
+    whats = ("forward", "gather gradient", "scatter gradient")
+    for what, got, want in zip(whats, on_gpu, on_cpu, strict=True):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        assert np.isinf(want).any() and np.isnan(want).any(), what
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=what)
+        np.testing.assert_array_equal(np.isposinf(got), np.isposinf(want), err_msg=what)
+        np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want), err_msg=what)
+        assert_close(got, want, dtype, what)
+
+
 def _strip_cases() -> list:
     """7x7/1 NCHW calls that the strip kernel takes (planes of at most 32 rows
     and 32 strips of four columns, windows sharing one divisor): 16-bit
