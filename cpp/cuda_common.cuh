@@ -781,7 +781,8 @@ bool LaunchMmaPlanesNchw(cudaStream_t stream, const PoolAttrs& a,
 // The scatter of 7x7/1-like windows by the gather's kernels, adding their
 // results to a zeroed dx with atomics in place of their stores
 // (cuda_kernels.cu; StripsNchw in NCHW, MmaBoxNhwc and BoxNhwc in NHWC, on
-// sm_90 builds): zeroes dx and launches one where it applies, returning
+// sm_90 builds), and of 3x3/1 windows over the NCHW planes that PlanesNchw
+// takes: zeroes dx and launches one where it applies, returning
 // true and the first error in `error`; returns false, launching nothing,
 // elsewhere.
 bool LaunchAddingGather(cudaStream_t stream, DType dtype, const PoolAttrs& a,

@@ -2385,12 +2385,49 @@ constexpr int kFusedMargin = 32;
 template <typename T, typename S>
 constexpr int kPlaneBlocks = S::KH == 3 && sizeof(T) <= 4 ? 4 : 0;
 
-template <typename T, typename S, bool kGather>
+// Adds bytes [a, b) of the 16-byte aligned shared `from` to the 16-byte
+// aligned global `to` at the same offsets, a 16-byte piece per thread, each
+// one vector atomic (AtomicAdd16); the bytes of the first and last pieces
+// outside [a, b) add zeros.
+template <typename T>
+__device__ __forceinline__ void AddOutPieces(const unsigned char* from,
+                                             unsigned char* to, int a, int b) {
+  for (int i = threadIdx.x; 16 * i < b; i += blockDim.x) {
+    uint4 bits = reinterpret_cast<const uint4*>(from)[i];
+    if (16 * i < a || 16 * i + 16 > b) {
+      unsigned* const w = reinterpret_cast<unsigned*>(&bits);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        unsigned keep = 0;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int at = 16 * i + 4 * k + e;
+          if (at >= a && at < b) keep |= 0xffu << (8 * e);
+        }
+        w[k] &= keep;
+      }
+    }
+    AtomicAdd16(reinterpret_cast<T*>(to + 16 * i), bits);
+  }
+}
+
+// kAdd, the scatter of 3x3/1 windows (LaunchAddingGather): the gather
+// adding its results to the zeroed dx, a 16-byte vector atomic a piece. A
+// group's destination planes are staged from the offset they have in
+// their 16 bytes of dx, so that the pieces of the stage are those of dx.
+// On the H200 (CUDA events, us, padding 1, the memset included, against
+// the tiles of cuda_scatter.cu): 64x288 planes of 35x35, bfloat16 59.3
+// against 194.9, float32 110.3 against 120.1; 64x768 of 17x17, 38.2
+// against 155.3 and 69.6 against 105.5; 128x512 of 14x14, 38.4 against
+// 152.1 and 61.1 against 107.4.
+template <typename T, typename S, bool kGather, bool kAdd = false>
 __global__ void __launch_bounds__(kThreads, kPlaneBlocks<T, S>)
     PlanesNchw(const PoolAttrs a, const PoolShape s, const T* __restrict__ src,
                T* __restrict__ dst, const PlaneGeom g,
                const SharedFactor<typename Num<T>::Acc> shared,
                const int64_t planes) {
+  static_assert(!kAdd ||
+                (kGather && S::KH == 3 && (sizeof(T) == 2 || sizeof(T) == 4)));
   using N = Num<T>;
   using Acc = typename N::Acc;
   constexpr int K = S::KH, G = kPlaneRows<kGather, K>, C = kPlaneCols<kGather>;
@@ -2443,6 +2480,12 @@ __global__ void __launch_bounds__(kThreads, kPlaneBlocks<T, S>)
     return static_cast<int>((kFusedMargin + grp * g.group * in_bytes % 16) /
                             sizeof(T));
   };
+  // kAdd: elements of dx before the group's first in its 16 bytes.
+  const auto out_lead = [&](int64_t grp) {
+    return kAdd ? static_cast<int>(grp * g.group * out_plane * sizeof(T) % 16 /
+                                   sizeof(T))
+                : 0;
+  };
   const auto copy_in = [&](int64_t grp) {
     if constexpr (K == 3) {
       const int64_t a0 = grp * g.group * in_bytes;
@@ -2494,7 +2537,7 @@ __global__ void __launch_bounds__(kThreads, kPlaneBlocks<T, S>)
   // outside it are read from a row of zeros (at tmp_at, kFusedMargin bytes
   // in, which nothing writes after the block's first barrier). kScale as
   // in pass 1.
-  const auto fused = [&](int np, int first, auto scale) {
+  const auto fused = [&](int np, int first, int out_first, auto scale) {
     constexpr bool kScale = decltype(scale)::value;
     constexpr int NC = kSmallPlaneCols;
     static_assert(NC % 2 == 0);
@@ -2547,7 +2590,7 @@ __global__ void __launch_bounds__(kThreads, kPlaneBlocks<T, S>)
       const int nrow = g.out_h - i0;
       const int left = g.out_w - j0;
       const bool pair = even_out;
-      T* to = stage_t + (p * g.out_h + i0) * g.out_w + j0;
+      T* to = stage_t + out_first + (p * g.out_h + i0) * g.out_w + j0;
 #pragma unroll
       for (int o = 0; o < G; o += 2) {
         if (o >= nrow) break;
@@ -2597,9 +2640,9 @@ __global__ void __launch_bounds__(kThreads, kPlaneBlocks<T, S>)
     __syncthreads();
     if constexpr (K == 3) {
       if (kGather && scaled) {
-        fused(np, lead(grp), True{});
+        fused(np, lead(grp), out_lead(grp), True{});
       } else {
-        fused(np, lead(grp), False{});
+        fused(np, lead(grp), out_lead(grp), False{});
       }
     } else if (kGather && scaled) {
       // Pass 1: down the columns.
@@ -2685,6 +2728,11 @@ __global__ void __launch_bounds__(kThreads, kPlaneBlocks<T, S>)
     unsigned char* out_at =
         reinterpret_cast<unsigned char*>(dst + grp * g.group * out_plane);
     const int bytes = static_cast<int>(np * out_plane * sizeof(T));
+    if constexpr (kAdd) {
+      const int head = out_lead(grp) * static_cast<int>(sizeof(T));
+      AddOutPieces<T>(stage, out_at - head, head, head + bytes);
+      continue;
+    }
     int q = g.out_piece;
     if (np < g.group) {  // the last group
       q = 16;
@@ -2779,7 +2827,10 @@ bool PlaneGeometry(const PoolAttrs& a, const PoolShape& s, const void* src,
     const int64_t stage_at =
         tmp_at + (K == 3 ? round(in_w * sz + 2 * kFusedMargin, 16)
                          : round(p * out_h * tmp_w * acc, 16));
-    const int64_t rf_at = stage_at + round(p * out_h * out_w * sz, 16);
+    // The stage; for 3x3 windows 16 bytes more, where the scatter stages a
+    // group from its offset in its 16 bytes of dx (kAdd).
+    const int64_t rf_at =
+        stage_at + round(p * out_h * out_w * sz + (K == 3 ? 16 : 0), 16);
     const int64_t cf_at = rf_at + round(rf_len * acc, 16);
     const int64_t bytes = cf_at + cf_len * acc;
     o.tmp_at = static_cast<int>(tmp_at);
@@ -2831,8 +2882,9 @@ bool PlaneGeometry(const PoolAttrs& a, const PoolShape& s, const void* src,
 }
 
 // rows_fit: whether the row kernels take the call, which they then keep
-// where they were faster (see kPlaneMinGroup).
-template <typename T, typename S, bool kGather>
+// where they were faster (see kPlaneMinGroup). kAdd: the scatter, on sm_90
+// (vector atomics) and a 16-byte aligned dx, zeroed here first.
+template <typename T, typename S, bool kGather, bool kAdd = false>
 bool LaunchPlaneKernel(cudaStream_t stream, const PoolAttrs& a,
                        const PoolShape& s, const T* src, T* dst, bool rows_fit,
                        cudaError_t& err) {
@@ -2851,7 +2903,15 @@ bool LaunchPlaneKernel(cudaStream_t stream, const PoolAttrs& a,
     err = cudaSuccess;
     return true;
   }
-  const auto kernel = PlanesNchw<T, S, kGather>;
+  const auto kernel = PlanesNchw<T, S, kGather, kAdd>;
+  if constexpr (kAdd) {
+    if (CodeOf(kernel).binary < 90 ||
+        reinterpret_cast<uintptr_t>(dst) % 16 != 0) {
+      return false;
+    }
+    err = ZeroInputShape(dst, s, stream);
+    if (err != cudaSuccess) return true;
+  }
   int64_t resident = 0;
   err = ResidentBlocks(kernel, kThreads, g.bytes, resident);
   if (err != cudaSuccess) return true;
@@ -3830,12 +3890,14 @@ bool UpsampleFits(const PoolAttrs& a, const PoolShape& s, const void* dy,
 // The scatter where a gather kernel can add its results instead of storing
 // them (see cuda_common.cuh): 7x7/1-like windows, NCHW planes that
 // StripsNchw takes, NHWC calls that MmaBoxNhwc (16-bit) or BoxNhwc
-// (float32) takes. Each dx element gets one atomic, onto zero. On the
-// H200 (CUDA events, memset included, 7x7/1 on 64x512 planes of 28x28)
-// against the tiles of cuda_scatter.cu, us: NCHW bfloat16 56.7 against
-// 95.0, float32 102.5 against 113.4; NHWC bfloat16 57.8 against 112.9,
-// float32 104.0 against 134.2. 16-bit NHWC calls that take BoxNhwc keep
-// the tiles: its 8-byte vectors would take as many atomics as theirs.
+// (float32) takes; 3x3/1 windows over NCHW planes that PlanesNchw takes
+// (rows the row kernels cannot take: Inception's 35x35 and 17x17 maps). Each dx
+// element gets one atomic, onto zero. On the H200 (CUDA events, memset
+// included, 7x7/1 on 64x512 planes of 28x28) against the tiles of
+// cuda_scatter.cu, us: NCHW bfloat16 56.7 against 95.0, float32 102.5 against
+// 113.4; NHWC bfloat16 57.8 against 112.9, float32 104.0 against 134.2. 16-bit
+// NHWC calls that take BoxNhwc keep the tiles: its 8-byte vectors would take as
+// many atomics as theirs.
 bool LaunchAddingGather(cudaStream_t stream, DType dtype, const PoolAttrs& a,
                         const PoolShape& s, const void* dy, void* dx,
                         cudaError_t& error) {
@@ -3850,6 +3912,12 @@ bool LaunchAddingGather(cudaStream_t stream, DType dtype, const PoolAttrs& a,
       if constexpr (PlaneSpec<S>()) {
         if (a.layout == kNCHW) {
           taken = LaunchStripsScatter<T, S>(stream, a, s, in, out, err);
+        }
+      }
+      if constexpr (SmallPlaneSpec<S>() && sizeof(T) <= 4) {
+        if (a.layout == kNCHW && !RowKernelsFit<T, S>(a, s, in, out)) {
+          taken = LaunchPlaneKernel<T, S, true, true>(stream, a, s, in, out,
+                                                      false, err);
         }
       }
       if constexpr (NhwcBox<S>()) {

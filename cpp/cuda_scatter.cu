@@ -1,8 +1,9 @@
 // CUDA scatter backward: the target (dx, or the float32 workspace of a
 // 16-bit dx) is zeroed, then each dy / divisor is added with atomics to every
-// element of its window. See cuda_kernels.h. Stride-1 windows of 5 and more
-// on sm_90 first try the gather's kernels adding their results to a zeroed
-// dx (LaunchAddingGather, cuda_kernels.cu). Where the tiles below apply
+// element of its window. See cuda_kernels.h. Stride-1 windows of 5 and more,
+// and 3x3/1 windows over planes the row kernels cannot take, on sm_90 first
+// try the gather's kernels adding their results to a zeroed dx
+// (LaunchAddingGather, cuda_kernels.cu). Where the tiles below apply
 // with aligned runs of four elements and give each dx element a single
 // atomic, a 16-bit dx is the target itself: each tile's float32 sums are
 // rounded and added by 16-bit atomics, four elements at a time on sm_90.

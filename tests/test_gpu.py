@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from cases import (
+    BF16,
     DTYPES,
     F32,
     F64,
@@ -592,6 +593,53 @@ def test_scatter_by_the_gather_kernels_on_gpu(
 ) -> None:
     """The scatter against the oracle; where the gather's kernels take it (on
     sm_90 and later), each dx element gets one atomic, onto zero, so dx is the
+    gather's, bitwise."""
+    x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
+    with dtype_mode(dtype):
+        _, dx_gather, dx_scatter = _forward_and_gradients(case, *_on(gpu, x, g))
+    assert_close(dx_scatter, case.oracle_vjp(g), dtype, "scatter gradient")
+    if taken and float(getattr(gpu, "compute_capability", "0")) >= 9:
+        np.testing.assert_array_equal(np.asarray(dx_scatter), np.asarray(dx_gather))
+
+
+def _plane_scatter_cases() -> list:
+    """3x3/1 NCHW scatters over planes the row kernels cannot take, which on
+    sm_90 the plane kernel's gather takes, adding its results to the zeroed dx
+    with 16-byte atomics (float16, bfloat16, float32), each with whether it
+    does: Inception's 35x35 and 17x17 maps under each divisor rule and with
+    ceil_mode; 18000 planes of 17x17 (blocks taking several groups); 14x14
+    planes without padding whose last group ends inside a 16-byte piece; 7x7
+    planes; 61x61 planes in groups of two, whose groups start inside a 16-byte
+    piece of dx (their float32 planes, of which two do not fit, go to the
+    tiles)."""
+    every = (*LOW_PRECISION, F32)
+    calls = (
+        ((2, 5, 35, 35), 1, {}, every),
+        ((1, 9, 35, 35), 1, {"ceil_mode": True}, every),
+        ((3, 3, 17, 17), 1, {"count_include_pad": False}, every),
+        ((24, 750, 17, 17), 1, {}, (BF16, F32)),
+        ((1, 11, 14, 14), 0, {}, every),
+        ((2, 7, 7, 7), 1, {"divisor_override": 4}, every),
+        ((1, 5, 61, 61), 1, {}, every),
+    )
+    return [
+        pytest.param(
+            TorchCase(shape, 3, 1, pad, **extra),
+            dtype,
+            not (shape[2] == 61 and dtype == F32),
+            id=f"{TorchCase(shape, 3, 1, pad, **extra)}-{dtype_name(dtype)}",
+        )
+        for shape, pad, extra, dtypes in calls
+        for dtype in dtypes
+    ]
+
+
+@pytest.mark.parametrize(("case", "dtype", "taken"), _plane_scatter_cases())
+def test_scatter_of_3x3_planes_by_the_gather_kernel_on_gpu(
+    case: TorchCase, dtype: np.dtype, taken: bool, gpu: jax.Device, rng: np.random.Generator
+) -> None:
+    """The scatter against the oracle; where the plane kernel takes it (on sm_90
+    and later), each dx element gets one atomic, onto zero, so dx is the
     gather's, bitwise."""
     x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
     with dtype_mode(dtype):
