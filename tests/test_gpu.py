@@ -67,6 +67,26 @@ def _forward_and_gradients(case: TorchCase, x: jax.Array, g: jax.Array) -> tuple
     return _forward_and_gradients_of(case)(x, g)
 
 
+def _assert_non_finite_as_on_cpu(
+    case: TorchCase, x: np.ndarray, g: np.ndarray, dtype: np.dtype, gpu: jax.Device
+) -> None:
+    """The forward and both gradients of x and g, which hold infinities and
+    NaNs, equal the CPU's: the same NaNs and infinities, the finite values
+    close."""
+    cpu = jax.devices("cpu")[0]
+    with dtype_mode(dtype):
+        on_gpu = _forward_and_gradients(case, *_on(gpu, x, g))
+        on_cpu = _forward_and_gradients(case, *_on(cpu, x, g))
+    whats = ("forward", "gather gradient", "scatter gradient")
+    for what, got, want in zip(whats, on_gpu, on_cpu, strict=True):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        assert np.isinf(want).any() and np.isnan(want).any(), what
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=what)
+        np.testing.assert_array_equal(np.isposinf(got), np.isposinf(want), err_msg=what)
+        np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want), err_msg=what)
+        assert_close(got, want, dtype, what)
+
+
 GPU_TORCH_PARAMS = [
     pytest.param(case, DTYPES[i % 4], id=f"{i}-{case}-{dtype_name(DTYPES[i % 4])}")
     for i, case in enumerate(TORCH_CASES[::3])
@@ -357,18 +377,7 @@ def test_plane_one_pass_keeps_infinities_and_nans_in_their_windows(
     for a in (x, g):
         for spot, value in spots:
             a[spot] = value
-    cpu = jax.devices("cpu")[0]
-    with dtype_mode(dtype):
-        on_gpu = _forward_and_gradients(case, *_on(gpu, x, g))
-        on_cpu = _forward_and_gradients(case, *_on(cpu, x, g))
-    whats = ("forward", "gather gradient", "scatter gradient")
-    for what, got, want in zip(whats, on_gpu, on_cpu, strict=True):
-        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-        assert np.isinf(want).any() and np.isnan(want).any(), what
-        np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=what)
-        np.testing.assert_array_equal(np.isposinf(got), np.isposinf(want), err_msg=what)
-        np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want), err_msg=what)
-        assert_close(got, want, dtype, what)
+    _assert_non_finite_as_on_cpu(case, x, g, dtype, gpu)
 
 
 def _strip_cases() -> list:
@@ -768,15 +777,4 @@ def test_tensor_core_box_filter_keeps_infinities_and_nans(
     for a in (x, g):
         for (n, c, i, j), value in spots:
             a[(n, c, i, j) if layout == "NCHW" else (n, i, j, c)] = value
-    cpu = jax.devices("cpu")[0]
-    with dtype_mode(dtype):
-        on_gpu = _forward_and_gradients(case, *_on(gpu, x, g))
-        on_cpu = _forward_and_gradients(case, *_on(cpu, x, g))
-    whats = ("forward", "gather gradient", "scatter gradient")
-    for what, got, want in zip(whats, on_gpu, on_cpu, strict=True):
-        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-        assert np.isinf(want).any() and np.isnan(want).any(), what
-        np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=what)
-        np.testing.assert_array_equal(np.isposinf(got), np.isposinf(want), err_msg=what)
-        np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want), err_msg=what)
-        assert_close(got, want, dtype, what)
+    _assert_non_finite_as_on_cpu(case, x, g, dtype, gpu)
