@@ -2374,10 +2374,12 @@ struct Masked<__nv_bfloat16> {
   }
 };
 
-// 3x3 windows: bytes of shared memory before a group's range (the one pass
-// reads up to two elements before a plane's row) and at least after it (up
-// to three after the last row).
-constexpr int kFusedMargin = 32;
+// 3x3 windows: bytes of shared memory before a group's range and at least
+// after it, and before and after the row of zeros: the one pass reads up to
+// two elements before a row and kSmallPlaneCols + 1 after it (with a right
+// padding of two), of up to 8 bytes each.
+constexpr int kFusedMargin = (8 * (kSmallPlaneCols + 1) + 15) / 16 * 16;
+static_assert(kFusedMargin >= 8 * 2);
 
 // Blocks a multiprocessor PlanesNchw is compiled for: four for the one
 // pass of 3x3 windows up to 4-byte types (64 registers; see the comment
