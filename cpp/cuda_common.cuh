@@ -362,6 +362,14 @@ __device__ __forceinline__ void CopyWait() {
 #endif
 }
 
+// Asks L2 to fetch the line of global `p`. The gathers that add their
+// results to dx (kAdd) ask for their destination lines before they sum: a
+// reduction that misses L2 waits there for its line, and many such misses
+// in flight hold L2's atomic units.
+__device__ __forceinline__ void PrefetchL2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(__cvta_generic_to_global(p)));
+}
+
 // Adds the 16 bytes of T values in `bits` to global `to` (16-byte aligned)
 // with atomics: one vector reduction on sm_90 (float32, or 16-bit pairs),
 // else one atomic per 16-bit pair or per element.
@@ -781,10 +789,11 @@ bool LaunchMmaPlanesNchw(cudaStream_t stream, const PoolAttrs& a,
 // The scatter of 7x7/1-like windows by the gather's kernels, adding their
 // results to a zeroed dx with atomics in place of their stores
 // (cuda_kernels.cu; StripsNchw in NCHW, MmaBoxNhwc and BoxNhwc in NHWC, on
-// sm_90 builds), and of 3x3/1 windows over the NCHW planes that PlanesNchw
-// takes: zeroes dx and launches one where it applies, returning
-// true and the first error in `error`; returns false, launching nothing,
-// elsewhere.
+// sm_90 builds), of 3x3/1 windows over the NCHW planes that PlanesNchw
+// takes, and of NHWC 2x2/2 and 3x3/2 windows by GatherNhwcRows whose
+// channels fill 16-byte vectors: zeroes dx and launches one where it applies,
+// returning true and the first error in `error`; returns false, launching
+// nothing, elsewhere.
 bool LaunchAddingGather(cudaStream_t stream, DType dtype, const PoolAttrs& a,
                         const PoolShape& s, const void* dy, void* dx,
                         cudaError_t& error);

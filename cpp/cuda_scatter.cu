@@ -505,8 +505,7 @@ __device__ __forceinline__ void PrefetchTarget(const D* base,
                                        static_cast<int64_t>(wi) * C);
   };
   const auto fetch = [](uintptr_t at) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(
-        __cvta_generic_to_global(reinterpret_cast<const void*>(at))));
+    PrefetchL2(reinterpret_cast<const void*>(at));
   };
   const int nl = bytes / 128 + 2;  // lines a range can touch, at most
   if (nl <= 4) {

@@ -658,6 +658,52 @@ def test_scatter_of_3x3_planes_by_the_gather_kernel_on_gpu(
         np.testing.assert_array_equal(np.asarray(dx_scatter), np.asarray(dx_gather))
 
 
+def _strided_nhwc_scatter_cases() -> list:
+    """NHWC 2x2/2 and 3x3/2 scatters (shapes in NCHW order), each with whether,
+    on sm_90, the strided gather kernel takes it, adding its results to the
+    zeroed dx with 16-byte atomics: channels that fill 16-byte vectors, under
+    each divisor rule, with ceil_mode, odd sizes whose last items cover part
+    of a row or column group, and a batch of images that spans many blocks.
+    Float64, and channels that do not fill vectors, stay with the tiles."""
+    every = (*LOW_PRECISION, F32)
+    calls = (
+        ((2, 16, 14, 14), 3, 2, 1, {}, every, True),
+        ((3, 24, 13, 11), 3, 2, 0, {"ceil_mode": True}, every, True),
+        ((2, 8, 15, 17), 3, 2, 1, {"count_include_pad": False}, every, True),
+        ((2, 32, 12, 10), 3, 2, 1, {"divisor_override": 5}, every, True),
+        ((16, 64, 28, 28), 3, 2, 1, {}, (BF16, F32), True),
+        ((3, 24, 13, 11), 2, 2, 0, {}, every, True),
+        ((2, 16, 9, 7), 2, 2, 0, {"ceil_mode": True}, every, True),
+        ((2, 16, 14, 14), 3, 2, 1, {}, (F64,), False),
+        ((2, 12, 14, 14), 3, 2, 1, {}, LOW_PRECISION, False),
+    )
+    return [
+        pytest.param(
+            TorchCase(shape, k, st, pad, layout="NHWC", **extra),
+            dtype,
+            taken,
+            id=f"{TorchCase(shape, k, st, pad, layout='NHWC', **extra)}-{dtype_name(dtype)}",
+        )
+        for shape, k, st, pad, extra, dtypes, taken in calls
+        for dtype in dtypes
+    ]
+
+
+@pytest.mark.parametrize(("case", "dtype", "taken"), _strided_nhwc_scatter_cases())
+def test_scatter_of_strided_nhwc_windows_by_the_gather_kernel_on_gpu(
+    case: TorchCase, dtype: np.dtype, taken: bool, gpu: jax.Device, rng: np.random.Generator
+) -> None:
+    """The scatter against the oracle; where the strided gather kernel takes it
+    (on sm_90 and later), each dx element gets one atomic, onto zero, so dx is
+    the gather's, bitwise."""
+    x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
+    with dtype_mode(dtype):
+        _, dx_gather, dx_scatter = _forward_and_gradients(case, *_on(gpu, x, g))
+    assert_close(dx_scatter, case.oracle_vjp(g), dtype, "scatter gradient")
+    if taken and float(getattr(gpu, "compute_capability", "0")) >= 9:
+        np.testing.assert_array_equal(np.asarray(dx_scatter), np.asarray(dx_gather))
+
+
 def _tensor_core_box_cases() -> list:
     """7x7/1 NHWC calls of 16-bit types whose channels come in slabs of 64, with
     destination images of 20 rows or more and 16 blocks or more, which the
