@@ -369,6 +369,16 @@ __device__ __forceinline__ void CopyWait() {
 __device__ __forceinline__ void PrefetchL2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(__cvta_generic_to_global(p)));
 }
+// The same for the `bytes` (a multiple of 16) from global `p` (16-byte
+// aligned), one instruction for the whole range; sm_90 only, nothing below.
+__device__ __forceinline__ void PrefetchL2Range(const void* p, int bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(
+                   __cvta_generic_to_global(p)),
+               "r"(bytes)
+               : "memory");
+#endif
+}
 
 // Adds the 16 bytes of T values in `bits` to global `to` (16-byte aligned)
 // with atomics: one vector reduction on sm_90 (float32, or 16-bit pairs),
