@@ -800,8 +800,9 @@ bool LaunchMmaPlanesNchw(cudaStream_t stream, const PoolAttrs& a,
 // results to a zeroed dx with atomics in place of their stores
 // (cuda_kernels.cu; StripsNchw in NCHW, MmaBoxNhwc and BoxNhwc in NHWC, on
 // sm_90 builds), of 3x3/1 windows over the NCHW planes that PlanesNchw
-// takes, and of NHWC 2x2/2 and 3x3/2 windows by GatherNhwcRows whose
-// channels fill 16-byte vectors: zeroes dx and launches one where it applies,
+// takes, of NHWC 2x2/2 and 3x3/2 windows by GatherNhwcRows whose
+// channels fill 16-byte vectors, and of NCHW rows that GatherNchwRows
+// takes in 16-byte pieces: zeroes dx and launches one where it applies,
 // returning true and the first error in `error`; returns false, launching
 // nothing, elsewhere.
 bool LaunchAddingGather(cudaStream_t stream, DType dtype, const PoolAttrs& a,

@@ -803,12 +803,24 @@ __device__ __forceinline__ void StoreAligned(T* p, const Acc (&in)[N]) {
 // every warp store instruction with gaps between the lanes' 16-byte pieces;
 // here the pieces go through the warp's `stage` in shared memory (32 * N
 // elements) so that each store instruction writes consecutive pieces.
-// Every lane of the warp must call it.
-template <typename T, int N, typename Acc>
+// Every lane of the warp must call it. With kAdd (the scatter,
+// LaunchAddingGather; N elements of whole 16 bytes), each 16-byte piece is
+// added to the zeroed destination with one vector atomic instead.
+template <typename T, int N, bool kAdd = false, typename Acc>
 __device__ __forceinline__ void WarpStore(T* dst, bool ok, const Acc (&in)[N],
                                           T* stage, int lane) {
   constexpr int kBytes = static_cast<int>(sizeof(T)) * N;
-  if constexpr (kBytes <= 16) {
+  static_assert(!kAdd || kBytes % 16 == 0);
+  if constexpr (kAdd && kBytes == 16) {
+    if (ok) {
+      Vec<T, N> v;
+#pragma unroll
+      for (int e = 0; e < N; ++e) v.v[e] = Num<T>::Store(in[e]);
+      uint4 bits;
+      memcpy(&bits, &v, sizeof(bits));
+      AtomicAdd16(dst, bits);
+    }
+  } else if constexpr (kBytes <= 16) {
     if (ok) StoreAligned<T, N>(dst, in);
   } else {
     constexpr int kPer = 16 / static_cast<int>(sizeof(T));  // per piece
@@ -830,7 +842,13 @@ __device__ __forceinline__ void WarpStore(T* dst, bool ok, const Acc (&in)[N],
       T* to = reinterpret_cast<T*>(
           __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(dst), src));
       if (__shfl_sync(0xffffffffu, ok, src)) {
-        reinterpret_cast<Piece*>(to)[k % kPieces] = pieces[k];
+        if constexpr (kAdd) {
+          uint4 bits;
+          memcpy(&bits, &pieces[k], sizeof(bits));
+          AtomicAdd16(to + (k % kPieces) * kPer, bits);
+        } else {
+          reinterpret_cast<Piece*>(to)[k % kPieces] = pieces[k];
+        }
       }
     }
     __syncwarp();
@@ -1118,7 +1136,7 @@ __global__ void __launch_bounds__(kThreads)
 // starts C0 = KH - 1 - E rows above h0 for a constant E in [0, SH): a
 // template parameter, so which dy rows cover which dx rows is known at
 // compile time.
-template <typename T, typename S, int PL, int E, int R>
+template <typename T, typename S, int PL, int E, int R, bool kAdd>
 __global__ void __launch_bounds__(kThreads)
     GatherNchwRows(const PoolAttrs a, const PoolShape s,
                    const T* __restrict__ dy, T* __restrict__ dx,
@@ -1162,6 +1180,16 @@ __global__ void __launch_bounds__(kThreads)
     const int h0 = item.block * R, g = item.chunk;
     const int ow0 = g * B;
     const int oh_lo = FloorDivInt(h0 + static_cast<int>(a.pad_top) - C0, SH);
+    if constexpr (kAdd) {
+      // The scatter: L2 fetches the destination lines while the dy rows load
+      // and sum (PrefetchL2).
+      if (item.owned && g * V < W) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          if (h0 + r < H) PrefetchL2(dx + (p * H + h0 + r) * W + g * V);
+        }
+      }
+    }
     Acc q[NOH][B];  // dy / divisor
 #pragma unroll
     for (int t = 0; t < NOH; ++t) {
@@ -1262,8 +1290,8 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
       const bool ok = store && h0 + r < H;
-      WarpStore<T, V>(dx + (ok ? (p * H + h0 + r) * W + g * V : 0), ok, out,
-                      stage[threadIdx.x / 32], lane);
+      WarpStore<T, V, kAdd>(dx + (ok ? (p * H + h0 + r) * W + g * V : 0), ok,
+                            out, stage[threadIdx.x / 32], lane);
     }
   }
 }
@@ -3919,6 +3947,29 @@ bool UpsampleFits(const PoolAttrs& a, const PoolShape& s, const void* dy,
          aligned(dy, sizeof(T) * V / S::KW) && aligned(dx, 16);
 }
 
+// GatherNchwRows over the whole call (RowKernelsFit); with kAdd, the
+// scatter: dx is zeroed first and each result added to it.
+template <typename T, typename S, bool kAdd = false>
+cudaError_t LaunchGatherNchwRows(cudaStream_t stream, const PoolAttrs& a,
+                                 const PoolShape& s, const T* dy, T* dx) {
+  constexpr int R = kGatherRowsPerItem<T, S>;
+  const int64_t chunks = RowChunks<S>(s);
+  const int64_t items = s.batch * s.channels * Groups(s.in_h, R) * chunks;
+  if constexpr (kAdd) {
+    if (cudaError_t e = ZeroInputShape(dx, s, stream); e != cudaSuccess) {
+      return e;
+    }
+  }
+  return WithPadLeft<S::KW / 2>(a.pad_left, [&](auto pl) {
+    return WithPhase<S::KH, S::SH>(a.pad_top, [&](auto e) {
+      return LaunchRows(GatherNchwRows<T, S, decltype(pl)::value,
+                                       decltype(e)::value, R, kAdd>,
+                        stream, items, a, s, dy, dx, chunks,
+                        SharedFactorOf<typename Num<T>::Acc>(a, s));
+    });
+  });
+}
+
 // GatherNhwcRows over the whole call, V channels a thread; with kAdd, the
 // scatter: dx is zeroed first and each result added to it.
 template <typename T, typename S, int V, bool kAdd = false>
@@ -3964,6 +4015,14 @@ cudaError_t LaunchGatherNhwcRows(cudaStream_t stream, const PoolAttrs& a,
 // bfloat16 46.5 against 58.9, float32 91.2 against 90.4. Without the
 // prefetches the atomics waited on L2's misses: 194.7, 385.6, 196.3 and
 // 390.0 us on the first four.
+// NCHW calls that the row kernels take (RowKernelsFit), where a lane's
+// results fill whole 16 bytes, go likewise to GatherNchwRows: 16-bit types
+// (strides of 2 and more) and float32 with stride 1. Against the tiles on
+// the H200 (same measure), float32 32x64x224x224 3x3/1 386.1 (1.00x)
+// against 464.3 (1.20x), 7x7/1 with padding 1 on 64x512x28x28 105.1
+// against 120.2; bfloat16 128x256x56x56 3x3/2 165.6 (1.04x) against 190.2
+// (1.19x), 2x2/2 162.5 (1.02x) against 193.7 (1.21x). Float32 with stride
+// 2 keeps the tiles (3x3/2: 316.0, against 330.0 this way).
 bool LaunchAddingGather(cudaStream_t stream, DType dtype, const PoolAttrs& a,
                         const PoolShape& s, const void* dy, void* dx,
                         cudaError_t& error) {
@@ -3998,6 +4057,15 @@ bool LaunchAddingGather(cudaStream_t stream, DType dtype, const PoolAttrs& a,
                                                               out);
             }
           }
+        }
+      }
+      if constexpr (!S::kGeneric && (sizeof(T) == 2 || S::SH == 1) &&
+                    sizeof(T) <= 4 && S::BLOCK * S::SW * sizeof(T) % 16 == 0) {
+        if (a.layout == kNCHW && !taken && RowKernelsFit<T, S>(a, s, in, out) &&
+            CodeOf(GatherNchwRows<T, S, 0, 0, kGatherRowsPerItem<T, S>, true>)
+                    .binary >= 90) {
+          taken = true;
+          err = LaunchGatherNchwRows<T, S, true>(stream, a, s, in, out);
         }
       }
       if constexpr (!S::kGeneric && !NhwcSlides<S>(Op::kBackwardGather) &&
@@ -4054,18 +4122,7 @@ cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
       }
       if (RowKernelsFit<T, S>(a, s, dy, dx)) {
         if constexpr (!S::kGeneric) {
-          constexpr int R = kGatherRowsPerItem<T, S>;
-          const int64_t chunks = RowChunks<S>(s);
-          const int64_t items =
-              s.batch * s.channels * Groups(s.in_h, R) * chunks;
-          return WithPadLeft<S::KW / 2>(a.pad_left, [&](auto pl) {
-            return WithPhase<S::KH, S::SH>(a.pad_top, [&](auto e) {
-              return LaunchRows(GatherNchwRows<T, S, decltype(pl)::value,
-                                               decltype(e)::value, R>,
-                                stream, items, a, s, in, out, chunks,
-                                SharedFactorOf<typename Num<T>::Acc>(a, s));
-            });
-          });
+          return LaunchGatherNchwRows<T, S>(stream, a, s, in, out);
         }
       }
       if (a.layout == kNCHW) {

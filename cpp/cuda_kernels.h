@@ -29,8 +29,9 @@ cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
 // runs of four elements and one atomic per dx element (their float32 sums
 // rounded and added by 16-bit atomics), or where a gather kernel adds its
 // results to dx with one atomic per element (7x7/1-like windows, 3x3/1
-// windows over NCHW planes the row kernels cannot take, and NHWC 2x2/2 and
-// 3x3/2 windows whose channels fill 16-byte vectors, on sm_90;
+// windows over NCHW planes the row kernels cannot take, NCHW rows the row
+// kernels take in 16-byte pieces, and NHWC 2x2/2 and 3x3/2 windows whose
+// channels fill 16-byte vectors, on sm_90;
 // cuda_kernels.cu), else `workspace`, a float32 buffer of dx's shape,
 // narrowed into dx afterwards (nullptr is an error there).
 cudaError_t LaunchBackwardScatter(cudaStream_t stream, DType dtype,
