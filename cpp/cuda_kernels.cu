@@ -3560,9 +3560,9 @@ bool LaunchStripsScatter(cudaStream_t stream, const PoolAttrs& a,
 // NCHW gather of windows of stride 2 (3x3/2, 2x2/2) on small planes, in
 // strips of registers as StripsNchw: a warp copies `per_warp` consecutive dy
 // planes, one contiguous range, into its own part of shared memory, and
-// walks down them, a lane per strip of 16 bytes of dx columns of one plane
-// and per parity of dx rows. With stride 2 and windows of at most 3, dx row
-// h lies in the windows of dy row floor((h + pad_top) / 2) and, for K = 3
+// walks down them, a lane per strip of 16 (or 8) bytes of dx columns of one
+// plane and per parity of dx rows. With stride 2 and windows of at most 3, dx
+// row h lies in the windows of dy row floor((h + pad_top) / 2) and, for K = 3
 // and h + pad_top even, of the row above it; likewise for the columns. So
 // per step a lane loads the dy columns under its strip in one dy row (C / 2
 // + 1 or C / 2 of them, for the strip's C columns), multiplies them by the
@@ -3587,7 +3587,13 @@ bool LaunchStripsScatter(cudaStream_t stream, const PoolAttrs& a,
 // their chunks), it replaces the one-thread-per-element kernel: float32
 // 2x2/2 on 30x28 planes 5.1 against 9.7. Tried, not kept: a lane per strip
 // storing all the rows of its strip, each dy row loaded once (91.0: the
-// half sectors, and 1.7 waves of longer warps).
+// half sectors, and 1.7 waves of longer warps). 16-bit rows that 16-byte
+// strips do not divide but 8-byte ones do (widths a multiple of 4, not of
+// 8) take strips of 8 bytes (CB); they went to the one-thread-per-element
+// kernel, at a tenth of the copy bandwidth. Bfloat16 (us, against it):
+// 64x512 planes of 28x28, 3x3/2 with padding 1, 22.0 against 169.8, 2x2/2
+// 23.4 against 98.7; 32x64 of 60x60 2x2/2 8.5 against 30.6; 16x128 of
+// 36x36 3x3/2 with padding 1 5.1 against 20.0.
 
 // The dy columns under a strip of C dx columns whose first column w0 is
 // even, with pad_left PL: w0 / 2 + kFirst .. w0 / 2 + kFirst + kCount - 1;
@@ -3605,19 +3611,20 @@ struct HalfGeom {
   int in_h, in_w;    // a dy plane
   int out_h, out_w;  // a dx plane
   int pad_top;
-  int lanes;       // strips per dx row
-  int per_warp;    // planes per warp
-  int warp_bytes;  // shared memory per warp, a multiple of 16
+  int lanes;        // strips per dx row
+  int per_warp;     // planes per warp
+  int warp_bytes;   // shared memory per warp, a multiple of 16
+  int strip_bytes;  // of a lane's dx columns: 16, or 8 for 16-bit types
 };
 
-template <typename T, int K, int PL>
+template <typename T, int K, int PL, int CB>
 __global__ void __launch_bounds__(kStripThreads, kStripBlocks)
     HalfStripsNchw(const T* __restrict__ dy, T* __restrict__ dx,
                    const HalfGeom g, const typename Num<T>::Acc value,
                    const int64_t planes) {
   using N = Num<T>;
   using Acc = typename N::Acc;
-  constexpr int C = 16 / static_cast<int>(sizeof(T));
+  constexpr int C = CB / static_cast<int>(sizeof(T));
   using Cols = HalfCols<K, PL, C>;
   constexpr int NC = Cols::kCount;
   const int lane = static_cast<int>(threadIdx.x & 31);
@@ -3728,9 +3735,10 @@ constexpr bool HalfSpec() {
 
 // The geometry of a HalfStripsNchw call, and whether it takes it: NCHW,
 // windows that share one divisor, the top and left padding at most K / 2
-// (as every PyTorch padding), dx rows of whole 16-byte strips, at most 16
-// of them (two lanes each), a dy plane that fits a warp's share of shared
-// memory, both buffers 16-byte aligned; not float64.
+// (as every PyTorch padding), dx rows of whole 16-byte strips (for 16-bit
+// types, else of whole 8-byte ones), at most 16 of them (two lanes each), a
+// dy plane that fits a warp's share of shared memory, both buffers 16-byte
+// aligned; not float64.
 template <typename T, typename S>
 bool HalfStripsTake(const PoolAttrs& a, const PoolShape& s, const void* dy,
                     const void* dx, bool shared, HalfGeom& g) {
@@ -3738,13 +3746,17 @@ bool HalfStripsTake(const PoolAttrs& a, const PoolShape& s, const void* dy,
   const auto aligned = [](const void* p) {
     return reinterpret_cast<uintptr_t>(p) % 16 == 0;
   };
+  const auto fits = [&](int64_t c) {
+    return s.in_w % c == 0 && s.in_w / c <= 16;
+  };
+  const int64_t strip = fits(C) ? 16 : sz == 2 && fits(C / 2) ? 8 : 0;
   if (!shared || sz > 4 || a.layout != kNCHW || a.pad_top > K / 2 ||
-      a.pad_left > K / 2 || s.out_h < 1 || s.out_w < 1 || s.in_w % C != 0 ||
-      s.in_w / C > 16 || !aligned(dy) || !aligned(dx)) {
+      a.pad_left > K / 2 || s.out_h < 1 || s.out_w < 1 || strip == 0 ||
+      !aligned(dy) || !aligned(dx)) {
     return false;
   }
   const int64_t in_bytes = s.out_h * s.out_w * sz;
-  const int64_t lanes = s.in_w / C;
+  const int64_t lanes = s.in_w / (strip / sz);
   // Room for the 16 bytes before the range, its lead (up to 15 bytes) and
   // the element read after it, in whole 16 bytes.
   const int64_t per_warp =
@@ -3758,6 +3770,7 @@ bool HalfStripsTake(const PoolAttrs& a, const PoolShape& s, const void* dy,
   g.lanes = static_cast<int>(lanes);
   g.per_warp = static_cast<int>(per_warp);
   g.warp_bytes = static_cast<int>((per_warp * in_bytes + 63) / 16 * 16);
+  g.strip_bytes = static_cast<int>(strip);
   return true;
 }
 
@@ -3777,9 +3790,13 @@ bool LaunchHalfStrips(cudaStream_t stream, const PoolAttrs& a,
   err = cudaSuccess;
   if (grid.blocks == 0) return true;
   err = WithPadLeft<S::KW / 2>(a.pad_left, [&](auto pl) {
-    HalfStripsNchw<T, S::KH, decltype(pl)::value>
-        <<<static_cast<unsigned>(grid.blocks), kStripThreads, grid.bytes,
-           stream>>>(dy, dx, g, shared.value, planes);
+    constexpr int PL = decltype(pl)::value;
+    auto kernel = HalfStripsNchw<T, S::KH, PL, 16>;
+    if constexpr (sizeof(T) == 2) {
+      if (g.strip_bytes == 8) kernel = HalfStripsNchw<T, S::KH, PL, 8>;
+    }
+    kernel<<<static_cast<unsigned>(grid.blocks), kStripThreads, grid.bytes,
+             stream>>>(dy, dx, g, shared.value, planes);
     return cudaGetLastError();
   });
   return true;

@@ -421,13 +421,16 @@ def _half_strip_cases() -> list:
     """3x3/2 and 2x2/2 NCHW gathers that the stride-2 strip kernel takes (16-bit
     dtypes, and float32 where the row kernels do not: rows not a multiple of
     their chunks; windows sharing one divisor; dx rows of whole 16-byte strips,
-    at most 16 of them; a dy plane within a warp's shared memory): 56x56 planes
+    or for 16-bit dtypes of 8-byte ones, at most 16 of them; a dy plane within
+    a warp's shared memory): 56x56 planes
     in pairs per warp, unpadded and padded; odd plane heights, whose row pairs
     start on odd rows in every other plane; a dy range ending off a 16-byte
     boundary; 16 strips a row; the largest dy plane that fits; and the calls
     just past its limits (17 strips, a dy plane too large, divisors per window),
-    which go to the other kernels. Forwards of the same calls take the usual
-    kernels."""
+    which go to the other kernels. Then 16-bit rows of 8-byte strips (widths a
+    multiple of 4, not of 8): 28x28 planes with padding 1, three and fifteen
+    strips, 2x2/2, and 17 strips (other kernels). Forwards of the same calls
+    take the usual kernels."""
     calls = (
         ((2, 9, 56, 56), 3, 0, {}),
         ((2, 9, 56, 56), 3, 1, {}),
@@ -441,6 +444,11 @@ def _half_strip_cases() -> list:
         ((2, 5, 30, 28), 3, 1, {"count_include_pad": False}),
         ((2, 5, 41, 24), 2, 1, {}),
         ((2, 5, 30, 28), 2, 0, {}),  # float32: 28 is not a multiple of 8
+        ((2, 4, 28, 28), 3, 1, {}),  # 16-bit: 7 strips of 8 bytes
+        ((2, 3, 33, 12), 3, 0, {}),
+        ((1, 3, 20, 60), 3, 1, {}),  # 15 strips of 8 bytes
+        ((2, 3, 22, 20), 2, 0, {}),
+        ((1, 2, 16, 68), 3, 1, {}),  # 17 strips of 8 bytes
     )
     return _every_dtype(TorchCase(shape, k, 2, pad, **extra) for shape, k, pad, extra in calls)
 
