@@ -568,10 +568,9 @@ def _adding_gather_cases() -> list:
     padding and divisor rule, ceil_mode); NHWC 16-bit (the tensor-core box
     filter, windows sharing a divisor, channels in 64s; on an H200 the last
     three with enough blocks that its ring rows hold only the source's
-    columns). Then calls left to the
-    tiles: an odd left padding in 16-bit types (the float32 ones go to the
-    row kernel), 16-bit planes of 1512 bytes (float32 ones of 3024 are
-    taken), NHWC 16-bit channels not in 64s."""
+    columns); NCHW planes with an odd left padding, which the row kernel
+    takes. Then calls left to the tiles: 16-bit planes of 1512 bytes
+    (float32 ones of 3024 are taken), NHWC 16-bit channels not in 64s."""
     nchw, nhwc, low = "NCHW", "NHWC", LOW_PRECISION
     every = (*LOW_PRECISION, F32)
     calls = (
@@ -588,8 +587,7 @@ def _adding_gather_cases() -> list:
         ((64, 512, 28, 28), 0, {}, nhwc, low, True),
         ((48, 448, 28, 28), 1, {"divisor_override": 30}, nhwc, low, True),
         ((50, 384, 28, 28), 3, {}, nhwc, low, True),
-        ((2, 6, 28, 28), 1, {}, nchw, low, False),
-        ((2, 6, 28, 28), 1, {}, nchw, (F32,), True),
+        ((2, 6, 28, 28), 1, {}, nchw, every, True),
         ((2, 3, 27, 28), 0, {}, nchw, low, False),
         ((2, 3, 27, 28), 0, {}, nchw, (F32,), True),
         ((16, 96, 28, 28), 0, {}, nhwc, low, False),
@@ -717,10 +715,10 @@ def test_scatter_of_strided_nhwc_windows_by_the_gather_kernel_on_gpu(
 def _row_kernel_scatter_cases() -> list:
     """NCHW scatters of the row kernels' calls (rows of whole chunks), each
     with whether, on sm_90, their gather kernel takes it, adding each lane's
-    16 bytes of results to the zeroed dx with atomics: float32 3x3/1 under
-    each divisor rule, with ceil_mode and over many rows; 16-bit 3x3/2 and
-    2x2/2 (rows of 16 and 24 elements), with padding and ceil_mode. Float32
-    with stride 2, and 16-bit 3x3/1 (8 bytes a lane), stay with the tiles."""
+    16 bytes (8 for 16-bit 3x3/1) of results to the zeroed dx with atomics:
+    float32 3x3/1 under each divisor rule, with ceil_mode and over many rows;
+    16-bit 3x3/2 and 2x2/2 (rows of 16 and 24 elements), with padding and
+    ceil_mode; 16-bit 3x3/1. Float32 with stride 2 stays with the tiles."""
     calls = (
         ((2, 5, 20, 16), 3, 1, 1, {}, (F32,), True),
         ((3, 4, 13, 12), 3, 1, 0, {"count_include_pad": False}, (F32,), True),
@@ -730,8 +728,9 @@ def _row_kernel_scatter_cases() -> list:
         ((3, 5, 17, 24), 3, 2, 0, {"ceil_mode": True}, LOW_PRECISION, True),
         ((2, 4, 12, 16), 3, 2, 1, {"count_include_pad": False}, LOW_PRECISION, True),
         ((3, 5, 18, 24), 2, 2, 0, {}, LOW_PRECISION, True),
+        ((2, 5, 20, 16), 3, 1, 1, {}, LOW_PRECISION, True),
+        ((3, 4, 13, 12), 3, 1, 0, {"count_include_pad": False}, LOW_PRECISION, True),
         ((2, 6, 16, 16), 3, 2, 1, {}, (F32,), False),
-        ((2, 5, 20, 16), 3, 1, 1, {}, LOW_PRECISION, False),
     )
     return [
         pytest.param(
