@@ -558,6 +558,20 @@ def test_scatter_tiles_on_gpu_match_oracle(
     assert_close(dx, case.oracle_vjp(g), dtype, "scatter gradient")
 
 
+def _check_scatter_by_the_gather(
+    case: TorchCase, dtype: np.dtype, taken: bool, gpu: jax.Device, rng: np.random.Generator
+) -> None:
+    """The scatter against the oracle; where a gather kernel adds its results to
+    the zeroed dx (``taken``, on sm_90 and later), each dx element gets one
+    atomic, onto zero, so dx is the gather's, bitwise."""
+    x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
+    with dtype_mode(dtype):
+        _, dx_gather, dx_scatter = _forward_and_gradients(case, *_on(gpu, x, g))
+    assert_close(dx_scatter, case.oracle_vjp(g), dtype, "scatter gradient")
+    if taken and float(getattr(gpu, "compute_capability", "0")) >= 9:
+        np.testing.assert_array_equal(np.asarray(dx_scatter), np.asarray(dx_gather))
+
+
 def _adding_gather_cases() -> list:
     """7x7/1 scatters that, on sm_90, the gather's kernels take, adding their
     results to the zeroed dx with atomics (shapes in NCHW order), each with
@@ -611,12 +625,7 @@ def test_scatter_by_the_gather_kernels_on_gpu(
     """The scatter against the oracle; where the gather's kernels take it (on
     sm_90 and later), each dx element gets one atomic, onto zero, so dx is the
     gather's, bitwise."""
-    x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
-    with dtype_mode(dtype):
-        _, dx_gather, dx_scatter = _forward_and_gradients(case, *_on(gpu, x, g))
-    assert_close(dx_scatter, case.oracle_vjp(g), dtype, "scatter gradient")
-    if taken and float(getattr(gpu, "compute_capability", "0")) >= 9:
-        np.testing.assert_array_equal(np.asarray(dx_scatter), np.asarray(dx_gather))
+    _check_scatter_by_the_gather(case, dtype, taken, gpu, rng)
 
 
 def _plane_scatter_cases() -> list:
@@ -658,12 +667,7 @@ def test_scatter_of_3x3_planes_by_the_gather_kernel_on_gpu(
     """The scatter against the oracle; where the plane kernel takes it (on sm_90
     and later), each dx element gets one atomic, onto zero, so dx is the
     gather's, bitwise."""
-    x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
-    with dtype_mode(dtype):
-        _, dx_gather, dx_scatter = _forward_and_gradients(case, *_on(gpu, x, g))
-    assert_close(dx_scatter, case.oracle_vjp(g), dtype, "scatter gradient")
-    if taken and float(getattr(gpu, "compute_capability", "0")) >= 9:
-        np.testing.assert_array_equal(np.asarray(dx_scatter), np.asarray(dx_gather))
+    _check_scatter_by_the_gather(case, dtype, taken, gpu, rng)
 
 
 def _strided_nhwc_scatter_cases() -> list:
@@ -704,12 +708,7 @@ def test_scatter_of_strided_nhwc_windows_by_the_gather_kernel_on_gpu(
     """The scatter against the oracle; where the strided gather kernel takes it
     (on sm_90 and later), each dx element gets one atomic, onto zero, so dx is
     the gather's, bitwise."""
-    x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
-    with dtype_mode(dtype):
-        _, dx_gather, dx_scatter = _forward_and_gradients(case, *_on(gpu, x, g))
-    assert_close(dx_scatter, case.oracle_vjp(g), dtype, "scatter gradient")
-    if taken and float(getattr(gpu, "compute_capability", "0")) >= 9:
-        np.testing.assert_array_equal(np.asarray(dx_scatter), np.asarray(dx_gather))
+    _check_scatter_by_the_gather(case, dtype, taken, gpu, rng)
 
 
 def _row_kernel_scatter_cases() -> list:
@@ -751,12 +750,7 @@ def test_scatter_of_row_kernel_calls_by_the_gather_kernel_on_gpu(
     """The scatter against the oracle; where the row kernel takes it (on sm_90
     and later), each dx element gets one atomic, onto zero, so dx is the
     gather's, bitwise."""
-    x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
-    with dtype_mode(dtype):
-        _, dx_gather, dx_scatter = _forward_and_gradients(case, *_on(gpu, x, g))
-    assert_close(dx_scatter, case.oracle_vjp(g), dtype, "scatter gradient")
-    if taken and float(getattr(gpu, "compute_capability", "0")) >= 9:
-        np.testing.assert_array_equal(np.asarray(dx_scatter), np.asarray(dx_gather))
+    _check_scatter_by_the_gather(case, dtype, taken, gpu, rng)
 
 
 def _tensor_core_box_cases() -> list:
