@@ -670,6 +670,18 @@ def test_scatter_of_3x3_planes_by_the_gather_kernel_on_gpu(
     _check_scatter_by_the_gather(case, dtype, taken, gpu, rng)
 
 
+def _scatter_params(calls: tuple, **fixed: str) -> list:
+    """Parameters ``(case, dtype, taken)`` of ``(shape, kernel, stride, padding,
+    extra keywords, dtypes, taken)`` calls, ``fixed`` keywords for every case."""
+    params = []
+    for shape, k, st, pad, extra, dtypes, taken in calls:
+        case = TorchCase(shape, k, st, pad, **fixed, **extra)
+        params += [
+            pytest.param(case, dtype, taken, id=f"{case}-{dtype_name(dtype)}") for dtype in dtypes
+        ]
+    return params
+
+
 def _strided_nhwc_scatter_cases() -> list:
     """NHWC 2x2/2 and 3x3/2 scatters (shapes in NCHW order), each with whether,
     on sm_90, the strided gather kernel takes it, adding its results to the
@@ -689,16 +701,7 @@ def _strided_nhwc_scatter_cases() -> list:
         ((2, 16, 14, 14), 3, 2, 1, {}, (F64,), False),
         ((2, 12, 14, 14), 3, 2, 1, {}, LOW_PRECISION, False),
     )
-    return [
-        pytest.param(
-            TorchCase(shape, k, st, pad, layout="NHWC", **extra),
-            dtype,
-            taken,
-            id=f"{TorchCase(shape, k, st, pad, layout='NHWC', **extra)}-{dtype_name(dtype)}",
-        )
-        for shape, k, st, pad, extra, dtypes, taken in calls
-        for dtype in dtypes
-    ]
+    return _scatter_params(calls, layout="NHWC")
 
 
 @pytest.mark.parametrize(("case", "dtype", "taken"), _strided_nhwc_scatter_cases())
@@ -731,16 +734,7 @@ def _row_kernel_scatter_cases() -> list:
         ((3, 4, 13, 12), 3, 1, 0, {"count_include_pad": False}, LOW_PRECISION, True),
         ((2, 6, 16, 16), 3, 2, 1, {}, (F32,), False),
     )
-    return [
-        pytest.param(
-            TorchCase(shape, k, st, pad, **extra),
-            dtype,
-            taken,
-            id=f"{TorchCase(shape, k, st, pad, **extra)}-{dtype_name(dtype)}",
-        )
-        for shape, k, st, pad, extra, dtypes, taken in calls
-        for dtype in dtypes
-    ]
+    return _scatter_params(calls)
 
 
 @pytest.mark.parametrize(("case", "dtype", "taken"), _row_kernel_scatter_cases())
