@@ -830,9 +830,9 @@ bool LaunchMmaPlanesNchw(cudaStream_t stream, const PoolAttrs& a,
 // sm_90 builds), of 3x3/1 windows over the NCHW planes that PlanesNchw
 // takes, of NHWC 2x2/2 and 3x3/2 windows by GatherNhwcRows whose
 // channels fill 16-byte vectors, and of NCHW rows that GatherNchwRows
-// takes in 16-byte pieces: zeroes dx and launches one where it applies,
-// returning true and the first error in `error`; returns false, launching
-// nothing, elsewhere.
+// takes, in pieces of 16 bytes (8 for 16-bit stride-1 windows): zeroes dx
+// and launches one where it applies, returning true and the first error in
+// `error`; returns false, launching nothing, elsewhere.
 bool LaunchAddingGather(cudaStream_t stream, DType dtype, const PoolAttrs& a,
                         const PoolShape& s, const void* dy, void* dx,
                         cudaError_t& error);

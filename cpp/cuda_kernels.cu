@@ -3742,8 +3742,8 @@ constexpr bool HalfSpec() {
 
 // The geometry of a HalfStripsNchw call, and whether it takes it: NCHW,
 // windows that share one divisor, the top and left padding at most K / 2
-// (as every PyTorch padding), dx rows of whole 16-byte strips (for 16-bit
-// types, else of whole 8-byte ones), at most 16 of them (two lanes each), a
+// (as every PyTorch padding), dx rows of whole 16-byte strips (16-bit
+// types: else of whole 8-byte ones), at most 16 of them (two lanes each), a
 // dy plane that fits a warp's share of shared memory, both buffers 16-byte
 // aligned; not float64.
 template <typename T, typename S>
