@@ -837,6 +837,17 @@ bool LaunchAddingGather(cudaStream_t stream, DType dtype, const PoolAttrs& a,
                         const PoolShape& s, const void* dy, void* dx,
                         cudaError_t& error);
 
+// Global average pools (cuda_global.cu): whether a call is one, a single
+// window over each whole plane (kernel = input, no padding, 1x1 output);
+// and the launch of its forward or gather (which is also its scatter: dx is
+// written once), returning true and the launch's error in `error`, or false,
+// launching nothing, where the call is not one (or, for the NCHW forward,
+// where x is not 16-byte aligned).
+bool IsGlobalPool(const PoolAttrs& a, const PoolShape& s);
+bool LaunchGlobalPool(cudaStream_t stream, DType dtype, const PoolAttrs& a,
+                      const PoolShape& s, const void* src, void* dst,
+                      bool gather, cudaError_t& error);
+
 }  // namespace jax_avgpool::cuda
 
 #endif  // JAX_AVGPOOL_CUDA_COMMON_CUH_

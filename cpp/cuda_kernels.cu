@@ -3822,6 +3822,10 @@ int64_t RuntimeSh(const PoolAttrs& a) {
 
 cudaError_t LaunchForward(cudaStream_t stream, DType dtype, const PoolAttrs& a,
                           const PoolShape& s, const void* x, void* y) {
+  if (cudaError_t err = cudaSuccess;
+      LaunchGlobalPool(stream, dtype, a, s, x, y, false, err)) {
+    return err;
+  }
   return WithType(dtype, [&](auto tag) {
     using T = decltype(tag);
     const T* in = static_cast<const T*>(x);
@@ -4116,6 +4120,10 @@ bool LaunchAddingGather(cudaStream_t stream, DType dtype, const PoolAttrs& a,
 cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
                                  const PoolAttrs& a, const PoolShape& s,
                                  const void* dy, void* dx) {
+  if (cudaError_t err = cudaSuccess;
+      LaunchGlobalPool(stream, dtype, a, s, dy, dx, true, err)) {
+    return err;
+  }
   return WithType(dtype, [&](auto tag) {
     using T = decltype(tag);
     const T* in = static_cast<const T*>(dy);

@@ -24,6 +24,9 @@ cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
 
 // The same gradient by scattering: the target is zeroed on `stream`, then
 // each dy / divisor is added to every element of its window with atomics.
+// A global average pool (one window over each whole plane) has nothing to
+// add: the gather's kernel writes dx once, with no zeroing and no workspace
+// (cuda_global.cu).
 // The target is dx for float32 and float64. For 16-bit types it is dx
 // itself where the shared-memory tiles of cuda_scatter.cu apply with aligned
 // runs of four elements and one atomic per dx element (their float32 sums

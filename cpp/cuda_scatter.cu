@@ -1261,6 +1261,7 @@ bool NeedsWorkspace(const PoolAttrs& a, const PoolShape& s) {
 
 bool ScatterNeedsWorkspace(DType dtype, const PoolAttrs& a,
                            const PoolShape& s) {
+  if (IsGlobalPool(a, s)) return false;  // the gather's kernels, on dx
   switch (dtype) {
     case DType::kF16:
       return NeedsWorkspace<__half>(a, s);
@@ -1276,6 +1277,7 @@ cudaError_t LaunchBackwardScatter(cudaStream_t stream, DType dtype,
                                   const void* dy, void* dx, void* workspace) {
   if (s.batch * s.channels * s.out_h * s.out_w > 0) {
     cudaError_t err = cudaSuccess;
+    if (LaunchGlobalPool(stream, dtype, a, s, dy, dx, true, err)) return err;
     if (LaunchAddingGather(stream, dtype, a, s, dy, dx, err)) return err;
   }
   return WithType(dtype, [&](auto tag) {
