@@ -481,14 +481,11 @@ def test_specialised_kernels_on_gpu_match_oracle(
 def _generic_gather_cases() -> list:
     """NCHW calls of the generic gather, in every dtype. Windows that do not
     overlap (the flat kernel, 16 bytes of dx a work item, on rows of at
-    least 16 bytes): a global average pool (7x7/7 over 7x7 planes: items
-    that span rows and planes in float32 and float64, the direct kernel in
-    16-bit types), rows of whole windows, rows and columns that no window
+    least 16 bytes): rows of whole windows, rows and columns that no window
     reaches, windows apart with padding, odd rows with ceil_mode, and a
     divisor override. Overlapping 5x5/3 with padding (the direct kernel, a
     row's run of inputs a work item)."""
     calls = (
-        TorchCase((3, 40, 7, 7), 7),
         TorchCase((2, 3, 24, 64), 4),
         TorchCase((2, 3, 23, 30), 4),
         TorchCase((1, 4, 19, 26), (3, 2), (5, 4), 1, count_include_pad=False),
@@ -514,6 +511,75 @@ def test_generic_nchw_gather_on_gpu_matches_oracle(
         platform="gpu",
     )["backward"].endswith("__generic")
     _check_forward_and_gather(case, dtype, gpu, rng)
+
+
+def _global_pool_cases() -> list:
+    """Global average pools (one window over each whole plane: the kernels of
+    cuda_global.cu), in every dtype (shapes in NCHW order). NCHW planes staged
+    32 to a warp in shared memory: 7x7 (ResNet's, at stride 7 and at stride 1,
+    a specialised window), 8x8 (64 elements, whose lanes would share one bank
+    of shared memory without their staggered starts) with a partial last warp,
+    4x4 (16-byte and smaller planes, also the specialised 2x2/2 over 2x2
+    planes), 3x5 (planes that straddle 16-byte pieces); larger planes a warp or
+    a block each: 14x14, and 56x56 with few planes. NHWC: channels in 16-byte
+    vectors or not (6 channels), few images of many pixels (many threads an
+    item), a row of 24 pixels. Divisor rules: an override, ceil_mode and the
+    real count, which without padding all agree with the window's size but
+    the override."""
+    calls = (
+        TorchCase((3, 40, 7, 7), 7),
+        TorchCase((2, 24, 7, 7), 7, 1),
+        TorchCase((2, 37, 8, 8), 8, ceil_mode=True),
+        TorchCase((4, 33, 4, 4), 4, count_include_pad=False),
+        TorchCase((2, 3, 2, 2), 2),
+        TorchCase((7, 33, 3, 5), (3, 5), divisor_override=10),
+        TorchCase((1, 5, 14, 14), 14),
+        TorchCase((2, 3, 56, 56), 56),
+        TorchCase((3, 40, 7, 7), 7, layout="NHWC"),
+        TorchCase((2, 6, 8, 8), 8, 3, layout="NHWC"),
+        TorchCase((2, 64, 56, 56), 56, layout="NHWC", divisor_override=-9),
+        TorchCase((5, 24, 1, 24), (1, 24), layout="NHWC"),
+    )
+    return _every_dtype(calls)
+
+
+@pytest.mark.parametrize(("case", "dtype"), _global_pool_cases())
+def test_global_pools_on_gpu(
+    case: TorchCase, dtype: np.dtype, gpu: jax.Device, rng: np.random.Generator
+) -> None:
+    """Forward and gather against the oracle, the gather bitwise repeatable, and
+    the scatter, which runs the gather's kernel (the windows do not overlap),
+    equal to it bit for bit on every architecture."""
+    _check_forward_and_gather(case, dtype, gpu, rng)
+    x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
+    with dtype_mode(dtype):
+        _, dx_gather, dx_scatter = _forward_and_gradients(case, *_on(gpu, x, g))
+    np.testing.assert_array_equal(np.asarray(dx_scatter), np.asarray(dx_gather))
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_name)
+def test_16bit_scatter_of_a_global_pool_needs_no_workspace(
+    layout: str, dtype: np.dtype, gpu: jax.Device, rng: np.random.Generator
+) -> None:
+    """The lowering gives the 16-bit scatter of a global pool no float32
+    workspace: the gather's kernel writes dx itself. The same planes (7x13,
+    six channels: ragged rows and ragged channel vectors) under a window that
+    is not global take the scatter tiles' workspace."""
+    for case, workspace in (
+        (TorchCase((2, 6, 7, 13), (7, 13), layout=layout), False),
+        (TorchCase((2, 6, 7, 13), (7, 7), (3, 3), layout=layout), True),
+    ):
+        x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
+        xs, gs = _on(gpu, x, g)
+
+        def pull(x, g, case=case):
+            return jax.vjp(functools.partial(avg_pool2d, **case.kwargs("scatter")), x)[1](g)[0]
+
+        text = jax.jit(pull).lower(xs, gs).as_text()
+        calls = [line for line in text.splitlines() if "@jax_avgpool_backward" in line]
+        assert len(calls) == 1, text
+        assert ("xf32>" in calls[0]) == workspace, (case, calls[0])
 
 
 def _scatter_tile_cases() -> list:
