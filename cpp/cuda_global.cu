@@ -137,7 +137,7 @@ __global__ void __launch_bounds__(kThreads)
                   const typename Num<T>::Acc divisor) {
   using N = Num<T>;
   using Acc = typename N::Acc;
-  constexpr int V = 16 / static_cast<int>(sizeof(T));
+  constexpr int V = kWide<T>;
   __shared__ Acc warp_sums[kThreads / 32];
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int t = static_cast<int>(threadIdx.x) % group;
@@ -417,9 +417,8 @@ cudaError_t LaunchGlobalForward(cudaStream_t stream, const PoolAttrs& a,
             x, y, s.batch, hw, cv, FastDivOf(cv), parts, divisor);
     return cudaGetLastError();
   };
-  constexpr int kV = 16 / static_cast<int>(sizeof(T));
-  if (s.channels % kV == 0 && Aligned16(x) && Aligned16(y)) {
-    return launch(std::integral_constant<int, kV>{});
+  if (CanVectorise<T>(s, x, y)) {
+    return launch(std::integral_constant<int, kWide<T>>{});
   }
   return launch(std::integral_constant<int, 1>{});
 }
@@ -431,7 +430,7 @@ cudaError_t LaunchGlobalGather(cudaStream_t stream, const PoolAttrs& a,
   const Acc divisor = GlobalDivisor<Acc>(a, s);
   const int64_t hw = s.in_h * s.in_w;
   const int64_t elements = s.batch * s.channels * hw;
-  constexpr int kV = 16 / static_cast<int>(sizeof(T));
+  constexpr int kV = kWide<T>;
   if (a.layout == kNCHW) {
     if (Aligned16(dx)) {
       return LaunchResident(GlobalSpreadNchw<T, kV>, stream,
@@ -448,8 +447,8 @@ cudaError_t LaunchGlobalGather(cudaStream_t stream, const PoolAttrs& a,
                           s.channels, hw, FastDivOf(s.channels), FastDivOf(hw),
                           divisor);
   };
-  if (s.channels % kV == 0 && Aligned16(dy) && Aligned16(dx)) {
-    return launch(std::integral_constant<int, kV>{});
+  if (CanVectorise<T>(s, dy, dx)) {
+    return launch(std::integral_constant<int, kWide<T>>{});
   }
   return launch(std::integral_constant<int, 1>{});
 }
