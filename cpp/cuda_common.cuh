@@ -837,6 +837,14 @@ bool LaunchAddingGather(cudaStream_t stream, DType dtype, const PoolAttrs& a,
                         const PoolShape& s, const void* dy, void* dx,
                         cudaError_t& error);
 
+// The float32 NHWC stride-1 box filter by sums over blocks of rows
+// (cuda_box_sums.cu): launches it and returns true where it applies, the
+// launch's error in `error`; returns false, launching nothing, elsewhere.
+template <bool kGather>
+bool LaunchBlockSumsNhwc(cudaStream_t stream, const PoolAttrs& a,
+                         const PoolShape& s, const float* src, float* dst,
+                         cudaError_t& error);
+
 // Global average pools (cuda_global.cu): whether a call is one, a single
 // window over each whole plane (kernel = input, no padding, 1x1 output);
 // and the launch of its forward or gather (which is also its scatter: dx is

@@ -2063,6 +2063,13 @@ cudaError_t LaunchSlideNhwc(cudaStream_t stream, const PoolAttrs& a,
         return error;
       }
     }
+    if constexpr (std::is_same_v<T, float>) {
+      // Sums over blocks of rows, where they apply (cuda_box_sums.cu).
+      cudaError_t error = cudaSuccess;
+      if (LaunchBlockSumsNhwc<kGather>(stream, a, s, src, dst, error)) {
+        return error;
+      }
+    }
     // Eight bytes for 16-bit types; cp.async moves 4, 8 or 16 bytes, so
     // one-element accesses take SlideNhwc with one column per item.
     constexpr int VB = sizeof(T) == 2 ? 4 : kWide<T>;

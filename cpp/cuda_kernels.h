@@ -31,7 +31,9 @@ cudaError_t LaunchBackwardGather(cudaStream_t stream, DType dtype,
 // itself where the shared-memory tiles of cuda_scatter.cu apply with aligned
 // runs of four elements and one atomic per dx element (their float32 sums
 // rounded and added by 16-bit atomics), or where a gather kernel adds its
-// results to dx with one atomic per element (7x7/1-like windows, 3x3/1
+// results to dx with one atomic per element (7x7/1-like windows, where
+// float32 NHWC calls whose gather sums over blocks of rows (cuda_box_sums.cu)
+// still add BoxNhwc's sums, equal to the gather's within rounding; 3x3/1
 // windows over NCHW planes the row kernels cannot take, NCHW rows the row
 // kernels take in 16-byte pieces, and NHWC 2x2/2 and 3x3/2 windows whose
 // channels fill 16-byte vectors, on sm_90;
