@@ -894,6 +894,69 @@ def test_tensor_core_box_filter_on_gpu_matches_oracle(
     _check_forward_and_gather(case, dtype, gpu, rng)
 
 
+def _block_sums_cases() -> list:
+    """7x7/1 NHWC calls in float32 whose channels come in slabs of 64, which the
+    box filter by sums over blocks of rows takes (its gather only where every
+    window shares one divisor) with at least as many blocks as stay resident
+    on an H200 (shapes in NCHW order): 28x28 images at each padding and
+    divisor rule, with ceil_mode; images of fewer rows than a block of seven
+    and of many blocks; images wider than 32 destination columns (windows of
+    columns, the last strip of each partial); two slabs of channels; and
+    calls it leaves to the other kernels (too few blocks, channels not in
+    slabs of 64)."""
+    calls = (
+        ((40, 448, 28, 28), 0, {}),
+        ((280, 64, 28, 28), 1, {}),
+        ((280, 64, 28, 28), 2, {"count_include_pad": False}),
+        ((140, 128, 28, 28), 3, {"divisor_override": 11}),
+        ((280, 64, 27, 29), 1, {"ceil_mode": True}),
+        ((300, 64, 9, 12), 0, {}),
+        ((300, 64, 8, 13), 3, {"count_include_pad": False}),
+        ((140, 128, 40, 33), 2, {}),
+        ((60, 64, 40, 150), 3, {}),
+        ((300, 64, 19, 70), 0, {"count_include_pad": False}),
+        ((4, 64, 28, 28), 0, {}),
+        ((100, 96, 28, 28), 0, {}),
+    )
+    return [
+        _param(TorchCase(shape, 7, 1, pad, layout="NHWC", **extra), F32)
+        for shape, pad, extra in calls
+    ]
+
+
+@pytest.mark.parametrize(("case", "dtype"), _block_sums_cases())
+def test_block_sums_box_filter_on_gpu_matches_oracle(
+    case: TorchCase, dtype: np.dtype, gpu: jax.Device, rng: np.random.Generator
+) -> None:
+    """Window sums along W, then down H as suffix and prefix sums of blocks of
+    seven rows: forward and gather against the oracle, the gather bitwise
+    repeatable."""
+    _check_forward_and_gather(case, dtype, gpu, rng)
+
+
+@pytest.mark.parametrize("pad", [0, 3])
+def test_block_sums_box_filter_keeps_infinities_and_nans(
+    pad: int, gpu: jax.Device, rng: np.random.Generator
+) -> None:
+    """The sums over blocks of rows only add, so an infinity or NaN reaches
+    exactly the windows that hold it: the forward and both gradients equal the
+    CPU's, infinities, NaNs (inf - inf in one window) and finite sums beside
+    them alike."""
+    case = TorchCase((270, 64, 28, 28), 7, 1, pad, layout="NHWC")
+    x, g = random_array(rng, case.shape, F32), random_array(rng, case.out_shape, F32)
+    spots = (  # (image, channel, row, column)
+        ((0, 7, 3, 5), np.inf),
+        ((0, 7, 6, 9), -np.inf),
+        ((1, 40, 20, 21), -np.inf),
+        ((1, 63, 2, 2), np.nan),
+        ((2, 0, 9, 0), np.inf),
+    )
+    for a in (x, g):
+        for (n, c, i, j), value in spots:
+            a[n, i, j, c] = value
+    _assert_non_finite_as_on_cpu(case, x, g, F32, gpu)
+
+
 @pytest.mark.parametrize(
     ("layout", "shape", "pad"),
     [
