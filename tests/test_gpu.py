@@ -894,6 +894,26 @@ def test_tensor_core_box_filter_on_gpu_matches_oracle(
     _check_forward_and_gather(case, dtype, gpu, rng)
 
 
+def _with_non_finite(
+    case: TorchCase, dtype: np.dtype, rng: np.random.Generator, far_column: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Random x and g for a 7x7/1 ``case`` with infinities and a NaN at the same
+    (image, channel, row, column) spots of both, one of them at ``far_column``:
+    two of opposite sign in one window, one in the first column."""
+    x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
+    spots = (
+        ((0, 7, 3, 5), np.inf),
+        ((0, 7, 6, 9), -np.inf),
+        ((1, 40, 20, far_column), -np.inf),
+        ((1, 63, 2, 2), np.nan),
+        ((2, 0, 9, 0), np.inf),
+    )
+    for a in (x, g):
+        for (n, c, i, j), value in spots:
+            a[(n, c, i, j) if case.layout == "NCHW" else (n, i, j, c)] = value
+    return x, g
+
+
 def _block_sums_cases() -> list:
     """7x7/1 NHWC calls in float32 whose channels come in slabs of 64, which the
     box filter by sums over blocks of rows takes (its gather only where every
@@ -943,17 +963,8 @@ def test_block_sums_box_filter_keeps_infinities_and_nans(
     CPU's, infinities, NaNs (inf - inf in one window) and finite sums beside
     them alike."""
     case = TorchCase((270, 64, 28, 28), 7, 1, pad, layout="NHWC")
-    x, g = random_array(rng, case.shape, F32), random_array(rng, case.out_shape, F32)
-    spots = (  # (image, channel, row, column)
-        ((0, 7, 3, 5), np.inf),
-        ((0, 7, 6, 9), -np.inf),
-        ((1, 40, 20, 21), -np.inf),
-        ((1, 63, 2, 2), np.nan),
-        ((2, 0, 9, 0), np.inf),
-    )
-    for a in (x, g):
-        for (n, c, i, j), value in spots:
-            a[n, i, j, c] = value
+    # Column 21: the last of the 22 of dy at padding 0.
+    x, g = _with_non_finite(case, F32, rng, far_column=21)
     _assert_non_finite_as_on_cpu(case, x, g, F32, gpu)
 
 
@@ -984,15 +995,5 @@ def test_tensor_core_box_filter_keeps_infinities_and_nans(
     reach into the neighbouring rows of a plane, here the row above an
     infinity at the start of a row."""
     case = TorchCase(shape, 7, 1, pad, layout=layout)
-    x, g = random_array(rng, case.shape, dtype), random_array(rng, case.out_shape, dtype)
-    spots = (  # (image, channel, row, column)
-        ((0, 7, 3, 5), np.inf),
-        ((0, 7, 6, 9), -np.inf),
-        ((1, 40, 20, 22), -np.inf),
-        ((1, 63, 2, 2), np.nan),
-        ((2, 0, 9, 0), np.inf),
-    )
-    for a in (x, g):
-        for (n, c, i, j), value in spots:
-            a[(n, c, i, j) if layout == "NCHW" else (n, i, j, c)] = value
+    x, g = _with_non_finite(case, dtype, rng, far_column=22)
     _assert_non_finite_as_on_cpu(case, x, g, dtype, gpu)
