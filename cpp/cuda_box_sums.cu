@@ -31,7 +31,6 @@
 // 4-byte load) was slower than the tensor-core box filter of
 // cuda_box_mma.cu: bfloat16 64x28x28x512 34.7 / 39.1 against 27.1 / 30.3.
 #include <algorithm>
-#include <type_traits>
 
 #include "cuda_common.cuh"
 
