@@ -72,6 +72,12 @@
 // windows hold it, 21 independent products a step for 24 columns): the
 // forward took 27.3-27.7 against 27.4-27.6, the gather (28 products a
 // step, 164 registers, three blocks) 39.7-40.2 against 30.8-31.0.
+// Nor the instructions around the products, nor too few warps: B kept in
+// registers (the compiler computed b1 again at every row) and one ldmatrix
+// a tile (no moves of the halves that neighbouring tiles share) took the
+// gather's 14.7 M warp instructions to 13.1 M and its time from 30.5 to
+// 31.8 us; 8 or 16 warps a block, sharing each group of 16 channels'
+// tiles, to 39 and 46 (BENCHMARKS.md).
 //
 // Stage buffers (ST): two let a step stage its rows while the block copies
 // out the last step's; one costs a second barrier a step and frees 6 KB (24
