@@ -515,13 +515,14 @@ def test_generic_nchw_gather_on_gpu_matches_oracle(
 
 def _global_pool_cases() -> list:
     """Global average pools (one window over each whole plane: the kernels of
-    cuda_global.cu), in every dtype (shapes in NCHW order). NCHW planes staged
-    32 to a warp in shared memory: 7x7 (ResNet's, at stride 7 and at stride 1,
-    a specialised window), 8x8 (64 elements, whose lanes would share one bank
-    of shared memory without their staggered starts) with a partial last warp,
-    4x4 (16-byte and smaller planes, also the specialised 2x2/2 over 2x2
-    planes), 3x5 (planes that straddle 16-byte pieces); larger planes a warp or
-    a block each: 14x14, and 56x56 with few planes. NHWC: channels in 16-byte
+    cuda_global.cu), in every dtype (shapes in NCHW order). NCHW planes of up
+    to 512 bytes staged 32 to a warp in shared memory: 7x7 (ResNet's, at stride
+    7 and at stride 1, a specialised window; float64 ones with fewer warps a
+    block), 8x8 (64 elements, whose lanes would share one bank of shared memory
+    without their staggered starts) with a partial last warp, 4x4 (16-byte and
+    smaller planes, also the specialised 2x2/2 over 2x2 planes), 3x5 (planes
+    that straddle 16-byte pieces), 14x14 in 16-bit types; larger planes a warp
+    or a block each: 14x14 in float32 and float64, and 56x56 with few planes. NHWC: channels in 16-byte
     vectors or not (6 channels), few images of many pixels (many threads an
     item), a row of 24 pixels. Divisor rules: an override, ceil_mode and the
     real count, which without padding all agree with the window's size but
