@@ -82,6 +82,14 @@ __global__ void __launch_bounds__(kSumsMaxWarps * 32, 2)
   const int t_lo = lead_h > 0 ? lead_h : 0;
   const int t_hi = std::min(dst_h + KH - 1, src_h + lead_h);
   const int nload = t_hi > t_lo ? t_hi - t_lo : 0;
+  // The same for every item: written once, read after the first row's
+  // barrier.
+  if (!kGather && !shared.all) {
+    for (int o = tid; o < dst_h; o += threads) {
+      row_f[o] = Reciprocal(WindowFactor<float>(
+          a, WindowAt(o, H, KH, 1, a.pad_top, a.pad_bottom), true));
+    }
+  }
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
     const int64_t slab = item % slabs, rest = item / slabs;
     const int w0 = static_cast<int>(rest % nwin) * win;
@@ -96,12 +104,6 @@ __global__ void __launch_bounds__(kSumsMaxWarps * 32, 2)
       const int u = i / kPieces % ncol;
       if (u < ua || u >= ub) {
         reinterpret_cast<uint4*>(sums_ring)[i] = make_uint4(0, 0, 0, 0);
-      }
-    }
-    if (!kGather && !shared.all) {
-      for (int o = tid; o < dst_h; o += threads) {
-        row_f[o] = Reciprocal(WindowFactor<float>(
-            a, WindowAt(o, H, KH, 1, a.pad_top, a.pad_bottom), true));
       }
     }
     const int npieces = ub > ua ? (ub - ua) * kPieces : 0;
