@@ -959,6 +959,8 @@ template <typename T, bool kGather, bool kAdd>
 bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
                       const PoolShape& s, const T* src, T* dst,
                       cudaError_t& error) {
+  // Set here: the forms considered below keep the first error they meet.
+  error = cudaSuccess;
   return WithSpec(a, [&](auto spec) {
     using S = decltype(spec);
     if constexpr (!NhwcBox<S>() || S::KW > 9) {
