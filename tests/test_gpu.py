@@ -522,11 +522,11 @@ def _global_pool_cases() -> list:
     without their staggered starts) with a partial last warp, 4x4 (16-byte and
     smaller planes, also the specialised 2x2/2 over 2x2 planes), 3x5 (planes
     that straddle 16-byte pieces), 14x14 in 16-bit types; larger planes a warp
-    or a block each: 14x14 in float32 and float64, and 56x56 with few planes. NHWC: channels in 16-byte
-    vectors or not (6 channels), few images of many pixels (many threads an
-    item), a row of 24 pixels. Divisor rules: an override, ceil_mode and the
-    real count, which without padding all agree with the window's size but
-    the override."""
+    or a block each: 14x14 in float32 and float64, and 56x56 with few planes.
+    NHWC: channels in 16-byte vectors or not (6 channels), few images of many
+    pixels (many threads an item), a row of 24 pixels. Divisor rules: an
+    override, ceil_mode and the real count, which without padding all agree
+    with the window's size but the override."""
     calls = (
         TorchCase((3, 40, 7, 7), 7),
         TorchCase((2, 24, 7, 7), 7, 1),
