@@ -77,7 +77,10 @@
 // a tile (no moves of the halves that neighbouring tiles share) took the
 // gather's 14.7 M warp instructions to 13.1 M and its time from 30.5 to
 // 31.8 us; 8 or 16 warps a block, sharing each group of 16 channels'
-// tiles, to 39 and 46 (BENCHMARKS.md).
+// tiles, to 39 and 46 (BENCHMARKS.md). Nor the barriers: steps of four
+// rows took the copies alone (no sums) as long, and warps copying their
+// own 32 bytes of each pixel with no block barriers made them 4 us slower;
+// segments of rows, walked down or toward each other, 3 us or more.
 //
 // Stage buffers (ST): two let a step stage its rows while the block copies
 // out the last step's; one costs a second barrier a step and frees 6 KB (24
