@@ -613,7 +613,14 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
 // opaque moves); then steps of two rows, every source row checked against
 // the source's rows, and checks of planes and columns at every store took
 // 12 M instructions against 9.5 M with four warps (bound then by the
-// latency of too few warps: 46% of issue slots used).
+// latency of too few warps: 46% of issue slots used). Every change to the
+// copies in flight was slower (us, 64x512 planes of 28x28): a third
+// buffer, the group after next copied into the buffer just summed, the
+// next group's copy issued only after the sums (30.0 against 26.2), and
+// the group after next asked of L2 (cp.async.bulk.prefetch.L2: 26.4
+// against 26.1). Over 64 to 128 images of 512 28x28 planes each image
+// adds 0.32 us (4.1 TB/s, the copy's 4.3); the rest is a cost of each
+// call (BENCHMARKS.md).
 constexpr int kPlaneMmaPlanes = 16;
 constexpr int kPlaneMmaWarps = 8;
 constexpr int kPlaneMmaThreads = 32 * kPlaneMmaWarps;
