@@ -649,7 +649,8 @@ def _adding_gather_cases() -> list:
     padding and divisor rule, ceil_mode); NHWC 16-bit (the tensor-core box
     filter, windows sharing a divisor, channels in 64s; on an H200 the last
     three with enough blocks that its ring rows hold only the source's
-    columns); NCHW planes with an odd left padding, which the row kernel
+    columns, and one of more items than blocks stay resident, each block a
+    share of the items' rows); NCHW planes with an odd left padding, which the row kernel
     takes. Then calls left to the tiles: 16-bit planes of 1512 bytes
     (float32 ones of 3024 are taken), NHWC 16-bit channels not in 64s."""
     nchw, nhwc, low = "NCHW", "NHWC", LOW_PRECISION
@@ -668,6 +669,7 @@ def _adding_gather_cases() -> list:
         ((64, 512, 28, 28), 0, {}, nhwc, low, True),
         ((48, 448, 28, 28), 1, {"divisor_override": 30}, nhwc, low, True),
         ((50, 384, 28, 28), 3, {}, nhwc, low, True),
+        ((80, 512, 28, 28), 0, {}, nhwc, low, True),
         ((2, 6, 28, 28), 1, {}, nchw, every, True),
         ((2, 3, 27, 28), 0, {}, nchw, low, False),
         ((2, 3, 27, 28), 0, {}, nchw, (F32,), True),
@@ -826,9 +828,12 @@ def _tensor_core_box_cases() -> list:
     columns read from one pixel of zeros (the gather at paddings 0 and 1, and
     at padding 3 with 300 blocks, the forward too); calls where one stage
     buffer lets more blocks stay resident (padding 3 with 448 blocks, with
-    compact rows; 56x56 images with 640, with whole ones); and three calls it
-    leaves to the other kernels (too few rows, too few blocks, channels not in
-    slabs of 64)."""
+    compact rows; 56x56 images with 640, with whole ones); calls of up to a
+    quarter more items than blocks stay resident on an H200, where each block
+    takes a share of the items' rows in pieces that start and end inside
+    items (640 items of 22 or 28 rows, and of 21 or 27, odd numbers); and
+    three calls it leaves to the other kernels (too few rows, too few blocks,
+    channels not in slabs of 64)."""
     calls = (
         ((16, 64, 28, 28), 0, {}),
         ((16, 64, 28, 28), 1, {}),
@@ -845,6 +850,8 @@ def _tensor_core_box_cases() -> list:
         ((50, 384, 28, 28), 3, {}),
         ((64, 448, 28, 28), 3, {}),
         ((160, 64, 56, 56), 3, {}),
+        ((80, 512, 28, 28), 0, {}),
+        ((80, 512, 27, 27), 0, {}),
     )
     return _low_precision_7x7(calls, "NHWC")
 
