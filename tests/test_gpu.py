@@ -650,9 +650,10 @@ def _adding_gather_cases() -> list:
     filter, windows sharing a divisor, channels in 64s; on an H200 the last
     three with enough blocks that its ring rows hold only the source's
     columns, and one of more items than blocks stay resident, each block a
-    share of the items' rows); NCHW planes with an odd left padding, which the row kernel
-    takes. Then calls left to the tiles: 16-bit planes of 1512 bytes
-    (float32 ones of 3024 are taken), NHWC 16-bit channels not in 64s."""
+    share of the items' rows); NCHW planes with an odd left padding, which
+    the row kernel takes. Then calls left to the tiles: 16-bit planes of
+    1512 bytes (float32 ones of 3024 are taken), NHWC 16-bit channels not in
+    64s."""
     nchw, nhwc, low = "NCHW", "NHWC", LOW_PRECISION
     every = (*LOW_PRECISION, F32)
     calls = (
