@@ -25,10 +25,10 @@
 // at its next step in whole 128-byte pieces of pixels.
 //
 // Items (64 channels, a strip, a segment) are a block each, in waves of
-// the blocks that stay resident; where they overflow one wave by a quarter
-// or less, each resident block takes an equal share of the items' rows in
+// the blocks that stay resident; where they overflow one wave by a half or
+// less, each resident block takes an equal share of the items' rows in
 // order instead, in pieces that end at the items' ends, so that no second
-// wave, mostly empty, follows the first (see the launcher).
+// wave, partly empty, follows the first (see the launcher).
 //
 // kCompact: a ring row holds only the strip's source columns that lie in
 // the source, and one pixel of zeros that the lanes of ldmatrix read for
@@ -1029,9 +1029,9 @@ bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
         // stay resident and the items' waves over them take no longer:
         // waves times blocks per multiprocessor, the time of a wave that
         // shares the multiprocessors' throughput.
-        Kernel kernel = nullptr;
-        size_t smem = 0;
-        int64_t resident = 0;
+        Kernel kernel = nullptr, most_kernel = nullptr;
+        size_t smem = 0, most_smem = 0;
+        int64_t resident = 0, most = 0;
         const auto cost = [&](int64_t r) { return (items + r - 1) / r * r; };
         const auto consider = [&](Kernel form, size_t form_smem) {
           if (!MmaCompiled(form) || (kAdd && CodeOf(form).binary < 90)) {
@@ -1049,6 +1049,7 @@ bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
           if (r > resident && (resident == 0 || cost(r) <= cost(resident))) {
             kernel = form, smem = form_smem, resident = r;
           }
+          if (r > most) most_kernel = form, most_smem = form_smem, most = r;
         };
         const auto consider_stages = [&](auto stages) {
           constexpr int ST = decltype(stages)::value;
@@ -1073,20 +1074,27 @@ bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
           if (error != cudaSuccess) return true;
         }
         // A block an item, in waves of the blocks that stay resident. Where
-        // the items overflow one wave by a quarter or less, each resident
-        // block takes an equal share of the items' rows in order instead,
-        // so that no second wave, mostly empty, follows the first (a share
-        // that starts inside an item reads the KH - 1 source rows above its
-        // first again). With more items whole items in waves were faster
-        // (H200, bfloat16 64-channel slabs of 28x28 images, us, forward /
-        // gather, shares against waves: 640 items 37.1 / 43.0 against 39.7 /
-        // 45.3; 768 items 42.0 / 48.3 against 43.4 / 47.1; 1024 items 52.1
-        // / 60.8 against 49.7 / 56.9).
+        // those overflow one wave but the items overflow the most blocks any
+        // form keeps resident by a half or less, that form's blocks take an
+        // equal share of the items' rows each, in order, so that no second
+        // wave, partly empty, follows the first (a share that starts inside
+        // an item reads the KH - 1 source rows above its first again). With
+        // more items whole items in waves were faster. H200, bfloat16
+        // 64-channel slabs of 28x28 images, us, forward / gather, whole items
+        // (the gather's 536 to 768 in waves of 396) against shares (of 528):
+        // 536 items 33.1 / 41.0 against 31.3 / 35.6; 640 items 39.9 / 45.1
+        // against 37.1 / 40.5; 768 items 43.1 / 46.8 against 42.1 / 45.2;
+        // 896 items, forward, 44.9 against 50.1 (hence the half). At padding
+        // 3, 768 items took 52.8 / 52.9 by shares against 51.7 / 51.6 in
+        // waves of 396, the one call measured slower.
         int64_t blocks = items, share = 0;
-        if (items > resident && 4 * items <= 5 * resident) {
-          blocks = resident;
-          const int64_t span = rows + (rows & 1);
-          share = (items * span + 2 * blocks - 1) / (2 * blocks) * 2;
+        if (items > resident && 2 * items <= 3 * most) {
+          kernel = most_kernel, smem = most_smem, resident = most;
+          if (items > resident) {
+            blocks = resident;
+            const int64_t span = rows + (rows & 1);
+            share = (items * span + 2 * blocks - 1) / (2 * blocks) * 2;
+          }
         }
         const unsigned grid =
             static_cast<unsigned>(std::min<int64_t>(blocks, INT32_MAX));
