@@ -121,6 +121,13 @@ constexpr int kMmaMinRows = 20;
 constexpr int kMmaMinItems = 16;
 constexpr int kPixelBytes = 128;
 
+// The rows an item spans in the order that shares of rows cut (MmaBoxNhwc):
+// `rows` rounded up to whole steps, so that a share, whole steps too, starts
+// at a step of its item.
+__host__ __device__ constexpr int MmaSpan(int rows) {
+  return (rows + kMmaRows - 1) / kMmaRows * kMmaRows;
+}
+
 // Source rows the ring holds: a step's rows and P steps' new ones.
 template <typename S>
 constexpr int MmaRing(int P) {
@@ -330,7 +337,7 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
   // share, in pieces that end at the items' ends: each piece starts at an
   // even row of its item, so its steps pair the rows that the item's own
   // steps pair, and its sums are the same, bit for bit.
-  const int span = rows + (rows & 1);
+  const int span = MmaSpan(rows);
   int64_t at = (share ? share : span) * static_cast<int64_t>(blockIdx.x);
   const int64_t at_end = share ? min(items * span, at + share) : items * span;
   const int64_t stride = share ? 0 : int64_t{span} * gridDim.x;
@@ -1089,11 +1096,12 @@ bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
         // waves of 396, the one call measured slower.
         int64_t blocks = items, share = 0;
         if (items > resident && 2 * items <= 3 * most) {
-          kernel = most_kernel, smem = most_smem, resident = most;
-          if (items > resident) {
-            blocks = resident;
-            const int64_t span = rows + (rows & 1);
-            share = (items * span + 2 * blocks - 1) / (2 * blocks) * 2;
+          kernel = most_kernel, smem = most_smem;
+          if (items > most) {
+            blocks = most;
+            const int64_t all = items * MmaSpan(rows);
+            share = (all + kMmaRows * blocks - 1) / (kMmaRows * blocks) *
+                    kMmaRows;
           }
         }
         const unsigned grid =
