@@ -97,6 +97,7 @@
 // buffer where that lets more blocks stay resident: with padding 3 (28
 // columns both ways), 36.6-36.7 against 40.5-40.6 (forward and gather alike);
 // where it does not (the bench's gather), two stay (31.1 against 31.7).
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -677,6 +678,57 @@ constexpr size_t kPlaneMmaMaxShared = 112 * 1024;
 // blocks, 10.5 against 9.9).
 constexpr int64_t kPlaneMmaMinLoops = 2;
 
+// Which groups a block takes. The blocks of a call do not finish together:
+// the multiprocessors get unequal shares of the memory bandwidth, and over
+// the H200's 64x512 planes of 28x28 the blocks' ends spread over 4-5 us,
+// the multiprocessors busy 88-91% of the call, even where every block has
+// the same number of groups (BENCHMARKS.md). So, given a counter of its
+// own, a block takes its first two groups by its index (b and b + G, G
+// blocks) and every later one from the counter as it frees up: group 2G +
+// the counter's value. Each block asks for its next group one group ahead
+// (atomicInc, its answer wanted only at the end of the next group's sums)
+// and stops at its first answer past the groups, so a call asks exactly
+// D + G times (D groups handed out, one answer past them a block); with
+// D + G - 1 as atomicInc's bound the counter is back at zero when the call
+// ends, ready for the next with no reset. The counter must be zero when a
+// call starts and no other call may use it meanwhile: each instance of the
+// forward custom call owns one (cuda_handlers.cc), and calls of one
+// instance on one device follow each other on its stream. Without one, the
+// block takes groups b, b + G, b + 2G, ... H200 (CUDA events, us), the
+// bfloat16 forward over N x 512 planes of 28x28: 26.0-26.3 against
+// 26.6-27.1 (N = 64), 35.9-36.2 against 36.9-37.4 (96), 45.6-46.0 against
+// 47.1-47.7 (128); with padding 1 30.3-30.5 against 30.6-30.9. Slower: the
+// counter asked when the next group's copy starts, its answer needed
+// before the group's stores (28.0), or zeroed before each call by a memset
+// (27.4-27.6, the memset alone 1.2 us) or by block 0 behind a grid barrier
+// of a cooperative launch (28.3-28.4); one group a block, the hardware
+// giving blocks to free multiprocessors (29.1 with four warps a block, 33.4
+// with eight).
+constexpr int kScheduleSlots = 1 << 16;
+__device__ unsigned schedule_counters[kScheduleSlots];
+
+// The current device's counter of `slot`, its address asked of the runtime
+// once a device.
+cudaError_t ScheduleCounter(int slot, unsigned*& counter) {
+  constexpr int kDevices = 64;
+  static std::atomic<unsigned*> bases[kDevices];
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  unsigned* base = device < kDevices
+                       ? bases[device].load(std::memory_order_acquire)
+                       : nullptr;
+  if (base == nullptr) {
+    void* p = nullptr;
+    err = cudaGetSymbolAddress(&p, schedule_counters);
+    if (err != cudaSuccess) return err;
+    base = static_cast<unsigned*>(p);
+    if (device < kDevices) bases[device].store(base, std::memory_order_release);
+  }
+  counter = base + slot;
+  return cudaSuccess;
+}
+
 struct MmaPlaneGeom {
   int src_h, src_w, dst_h, dst_w;  // a source and a destination plane
   // Destination (i, j) sums source rows i + off_h .. i + off_h + KH - 1 and
@@ -714,7 +766,8 @@ template <typename T, typename S, int NT, bool kShared>
 __global__ void __launch_bounds__(kPlaneMmaThreads, 2)
     MmaPlanesNchw(const PoolAttrs a, const MmaPlaneGeom g,
                   const T* __restrict__ src, T* __restrict__ dst,
-                  const SharedFactor<float> shared, const int64_t planes) {
+                  const SharedFactor<float> shared, const int64_t planes,
+                  unsigned* const counter) {
 #if __CUDA_ARCH__ >= 800
   constexpr int KH = S::KH, KW = S::KW, NP = kPlaneMmaPlanes;
   constexpr int R = kPlaneMmaRows;
@@ -756,6 +809,17 @@ __global__ void __launch_bounds__(kPlaneMmaThreads, 2)
     CommitCopies();
   };
   if (blockIdx.x < groups) copy_in(blockIdx.x, 0);
+  // With a counter (see kScheduleSlots): `handed` groups come from it, each
+  // block's next group waits in next_of[k & 1] for the block's step k - 1
+  // to read, and thread 0 holds the counter's answer for the group after
+  // it in `asked` (the launcher gives every block two groups at least).
+  __shared__ int64_t next_of[2];
+  const int64_t blocks = gridDim.x;
+  const int64_t handed = groups - 2 * blocks;
+  const unsigned bound = static_cast<unsigned>(handed + blocks - 1);
+  unsigned asked = 0;
+  bool asking = counter != nullptr && tid == 0;
+  if (asking) asked = atomicInc(counter, bound);
   // Zeros around the planes of each buffer, before the first and after
   // each, where the tiles' K sides reach past a plane's rows.
   {
@@ -814,15 +878,16 @@ __global__ void __launch_bounds__(kPlaneMmaThreads, 2)
   const unsigned hi_in = 8 * g.pitch, hi_out = 8 * g.out_bytes;
   const int row_in = 2 * g.src_w, row_out = 2 * g.dst_w;
   const int steps = (g.dst_h + R - 1) / R;
-  for (int64_t group = blockIdx.x, k = 0; group < groups;
-       group += gridDim.x, ++k) {
+  int64_t next = 0;
+  for (int64_t group = blockIdx.x, k = 0; group < groups; group = next, ++k) {
     const int64_t p0 = group * NP;
     const int np = static_cast<int>(min(int64_t{NP}, planes - p0));
     CopyWait<0>();
     // This group's planes are in; every thread is done with the other
     // buffer and the stage.
     __syncthreads();
-    if (group + gridDim.x < groups) copy_in(group + gridDim.x, k + 1);
+    next = counter == nullptr || k == 0 ? group + blocks : next_of[(k + 1) & 1];
+    if (next < groups) copy_in(next, k + 1);
     const unsigned in_k = lane_in + (k & (nbuf - 1)) * g.buffer;
     // Planes past the group's last hold stale values: their sums land in
     // the stage but are not copied out, and their flags are dropped.
@@ -966,6 +1031,18 @@ __global__ void __launch_bounds__(kPlaneMmaThreads, 2)
         }
       }
     }
+    if (counter != nullptr && tid == 0) {
+      // The block's group after next, read at its next step: from the
+      // answer asked one group ago, then the next question; or none.
+      int64_t after = groups;
+      if (asking && asked < handed) {
+        after = 2 * blocks + asked;
+        asked = atomicInc(counter, bound);
+      } else {
+        asking = false;
+      }
+      next_of[k & 1] = after;
+    }
     __syncthreads();  // the stage holds the group's destination planes
     // The copy out: the stage is the destination's range of these planes.
     unsigned char* const to =
@@ -994,6 +1071,12 @@ bool MmaCompiled(Kernel kernel) {
 }
 
 }  // namespace
+
+int AcquireScheduleSlot() {
+  static std::atomic<int64_t> taken{0};
+  const int64_t slot = taken.fetch_add(1, std::memory_order_relaxed);
+  return slot < kScheduleSlots ? static_cast<int>(slot) : -1;
+}
 
 template <typename T, bool kGather, bool kAdd>
 bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
@@ -1154,7 +1237,7 @@ template bool LaunchMmaBoxNhwc<__nv_bfloat16, true, true>(
 
 template <typename T>
 bool LaunchMmaPlanesNchw(cudaStream_t stream, const PoolAttrs& a,
-                         const PoolShape& s, const T* src, T* dst,
+                         const PoolShape& s, const T* src, T* dst, int schedule,
                          cudaError_t& error) {
   return WithSpec(a, [&](auto spec) {
     using S = decltype(spec);
@@ -1226,8 +1309,15 @@ bool LaunchMmaPlanesNchw(cudaStream_t stream, const PoolAttrs& a,
         if (blocks < 2 * int64_t{sms} || groups < kPlaneMmaMinLoops * blocks) {
           return false;
         }
+        unsigned* counter = nullptr;
+        if (schedule >= 0 && schedule < kScheduleSlots &&
+            groups - blocks < int64_t{UINT32_MAX}) {
+          error = ScheduleCounter(schedule, counter);
+          if (error != cudaSuccess) return true;
+        }
         kernel<<<static_cast<unsigned>(blocks), kPlaneMmaThreads, smem,
-                 stream>>>(a, g, src, dst, shared, s.batch * s.channels);
+                 stream>>>(a, g, src, dst, shared, s.batch * s.channels,
+                           counter);
         error = cudaGetLastError();
         return true;
       };
@@ -1239,10 +1329,11 @@ bool LaunchMmaPlanesNchw(cudaStream_t stream, const PoolAttrs& a,
 
 template bool LaunchMmaPlanesNchw<__half>(cudaStream_t, const PoolAttrs&,
                                           const PoolShape&, const __half*,
-                                          __half*, cudaError_t&);
+                                          __half*, int, cudaError_t&);
 template bool LaunchMmaPlanesNchw<__nv_bfloat16>(cudaStream_t, const PoolAttrs&,
                                                  const PoolShape&,
                                                  const __nv_bfloat16*,
-                                                 __nv_bfloat16*, cudaError_t&);
+                                                 __nv_bfloat16*, int,
+                                                 cudaError_t&);
 
 }  // namespace jax_avgpool::cuda

@@ -818,10 +818,11 @@ bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
                       const PoolShape& s, const T* src, T* dst,
                       cudaError_t& error);
 
-// The NCHW forward's counterpart (also cuda_box_mma.cu), alike.
+// The NCHW forward's counterpart (also cuda_box_mma.cu), alike; `schedule`
+// is the calling instance's slot (AcquireScheduleSlot) or -1.
 template <typename T>
 bool LaunchMmaPlanesNchw(cudaStream_t stream, const PoolAttrs& a,
-                         const PoolShape& s, const T* src, T* dst,
+                         const PoolShape& s, const T* src, T* dst, int schedule,
                          cudaError_t& error);
 
 // The scatter of 7x7/1-like windows by the gather's kernels, adding their

@@ -5,6 +5,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -45,7 +46,19 @@ ffi::Error FromCuda(cudaError_t err, const char* what) {
       " kernel launch failed: " + cudaGetErrorString(err));
 }
 
+// What one instance of the forward custom call keeps from its
+// instantiation on: a slot of its own (AcquireScheduleSlot), whose counter
+// hands out the 16-bit NCHW tensor-core kernel's work as its blocks free
+// up. XLA runs an instance's calls on one device one after another.
+ffi::ErrorOr<std::unique_ptr<ForwardState>> InstantiateForward(
+    ffi::Dictionary /*geometry: the call's own, decoded at each call*/) {
+  auto state = std::make_unique<ForwardState>();
+  state->schedule = cuda::AcquireScheduleSlot();
+  return state;
+}
+
 ffi::Error ForwardCuda(cudaStream_t stream,              // stream
+                       ForwardState* state,              // instance state
                        ffi::AnyBuffer x,                 // x
                        ffi::Result<ffi::AnyBuffer> y,    // y
                        ffi::Dictionary geometry_attr) {  // geometry
@@ -59,9 +72,10 @@ ffi::Error ForwardCuda(cudaStream_t stream,              // stream
   if (!ToDType(x.element_type(), &dtype)) {
     return UnsupportedType(x.element_type());
   }
-  return FromCuda(cuda::LaunchForward(stream, dtype, geometry, s,
-                                      x.untyped_data(), y->untyped_data()),
-                  "forward");
+  return FromCuda(
+      cuda::LaunchForward(stream, dtype, geometry, s, x.untyped_data(),
+                          y->untyped_data(), state->schedule),
+      "forward");
 }
 
 ffi::Error BackwardCuda(cudaStream_t stream,             // stream
@@ -134,13 +148,26 @@ bool CudaScatterNeedsWorkspace(const PoolAttrs& a,
 
 }  // namespace jax_avgpool
 
+xla::ffi::TypeId jax_avgpool::ForwardState::id = {};
+
+const XLA_FFI_TypeInfo* JaxAvgPoolForwardStateInfo() {
+  static const xla::ffi::TypeInfo info =
+      xla::ffi::MakeTypeInfo<jax_avgpool::ForwardState>();
+  return &info;
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxAvgPoolForwardCudaInstantiate, jax_avgpool::InstantiateForward,
+    xla::ffi::Ffi::BindInstantiate().Attr<xla::ffi::Dictionary>("geometry"));
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxAvgPoolForwardCuda, jax_avgpool::ForwardCuda,
     xla::ffi::Ffi::Bind()
         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
-        .Arg<xla::ffi::AnyBuffer>()                     // x
-        .Ret<xla::ffi::AnyBuffer>()                     // y
-        .Attr<xla::ffi::Dictionary>("geometry"),        // geometry
+        .Ctx<xla::ffi::State<jax_avgpool::ForwardState>>()
+        .Arg<xla::ffi::AnyBuffer>()               // x
+        .Ret<xla::ffi::AnyBuffer>()               // y
+        .Attr<xla::ffi::Dictionary>("geometry"),  // geometry
     {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

@@ -3828,7 +3828,8 @@ int64_t RuntimeSh(const PoolAttrs& a) {
 }  // namespace
 
 cudaError_t LaunchForward(cudaStream_t stream, DType dtype, const PoolAttrs& a,
-                          const PoolShape& s, const void* x, void* y) {
+                          const PoolShape& s, const void* x, void* y,
+                          int schedule) {
   if (cudaError_t err = cudaSuccess;
       LaunchGlobalPool(stream, dtype, a, s, x, y, false, err)) {
     return err;
@@ -3845,7 +3846,7 @@ cudaError_t LaunchForward(cudaStream_t stream, DType dtype, const PoolAttrs& a,
         cudaError_t err = cudaSuccess;
         if constexpr (sizeof(T) == 2) {
           // The tensor-core plane kernel, where it applies.
-          if (LaunchMmaPlanesNchw<T>(stream, a, s, in, out, err)) {
+          if (LaunchMmaPlanesNchw<T>(stream, a, s, in, out, schedule, err)) {
             return err;
           }
         }

@@ -13,8 +13,17 @@ namespace jax_avgpool::cuda {
 enum class DType { kF16, kBF16, kF32, kF64 };
 
 // y = avgpool(x). Never synchronises; returns the first launch error.
+// `schedule`: a slot of AcquireScheduleSlot owned by the caller, or -1.
 cudaError_t LaunchForward(cudaStream_t stream, DType dtype, const PoolAttrs& a,
-                          const PoolShape& s, const void* x, void* y);
+                          const PoolShape& s, const void* x, void* y,
+                          int schedule = -1);
+
+// A slot of its own, for life, for each caller whose calls follow one
+// another on each device (one custom call instance): the counter of slot
+// that hands out work to the blocks of the NCHW 16-bit forward as they
+// free up (cuda_box_mma.cu), zero between calls. -1 once all 65536 are
+// taken; the kernel then takes its work in a fixed order. Thread-safe.
+int AcquireScheduleSlot();
 
 // dx = transpose of avgpool applied to dy, each dx element summing the dy
 // windows that cover it; dx is written once, no zeroing, no atomics.

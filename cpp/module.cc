@@ -27,7 +27,7 @@ nb::capsule Capsule(Fn* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
 
-// {platform: {target name: handler capsule}}
+// {platform: {target name: handler capsule, or {stage: capsule}}}
 nb::dict Registrations() {
   nb::dict cpu;
   cpu["jax_avgpool_forward"] = Capsule(JaxAvgPoolForwardCpu);
@@ -35,9 +35,28 @@ nb::dict Registrations() {
   nb::dict out;
   out["cpu"] = cpu;
 #if defined(JAX_AVGPOOL_WITH_CUDA)
-  nb::dict cuda;
-  cuda["jax_avgpool_forward"] = Capsule(JaxAvgPoolForwardCuda);
+  nb::dict cuda, forward;
+  forward["instantiate"] = Capsule(JaxAvgPoolForwardCudaInstantiate);
+  forward["execute"] = Capsule(JaxAvgPoolForwardCuda);
+  cuda["jax_avgpool_forward"] = forward;
   cuda["jax_avgpool_backward"] = Capsule(JaxAvgPoolBackwardCuda);
+  out["cuda"] = cuda;
+#endif
+  return out;
+}
+
+// {platform: {type name: {"type_id": capsule, "type_info": capsule}}}: the
+// handlers' state types, for XLA to register before their targets.
+nb::dict Types() {
+  nb::dict out;
+#if defined(JAX_AVGPOOL_WITH_CUDA)
+  nb::dict forward_state;
+  forward_state["type_id"] =
+      nb::capsule(reinterpret_cast<void*>(&jax_avgpool::ForwardState::id));
+  forward_state["type_info"] = nb::capsule(const_cast<void*>(
+      static_cast<const void*>(JaxAvgPoolForwardStateInfo())));
+  nb::dict cuda;
+  cuda["jax_avgpool.forward_state"] = forward_state;
   out["cuda"] = cuda;
 #endif
   return out;
@@ -110,7 +129,11 @@ bool ScatterNeedsWorkspaceOf(const nb::dict& geometry,
 NB_MODULE(_jax_avgpool, m) {
   m.doc() = "XLA FFI handlers of jax_avgpool";
   m.def("registrations", &Registrations,
-        "Handler capsules as {platform: {target name: capsule}}.");
+        "Handler capsules as {platform: {target name: capsule or "
+        "{stage: capsule}}}.");
+  m.def("types", &Types,
+        "State types as {platform: {type name: {'type_id': capsule, "
+        "'type_info': capsule}}}.");
   m.def("build_info", &BuildInfo, "How this extension was built.");
   m.def("kernel_id", &KernelIdOf, nb::arg("op"), nb::arg("geometry"),
         nb::arg("dtype"), "Id of the kernel a call launches.");

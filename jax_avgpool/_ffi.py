@@ -69,6 +69,11 @@ if _mismatch is not None:
 
 
 def _register() -> tuple[str, ...]:
+    # The handlers' state types first: a target whose instantiate stage
+    # makes one is refused until its type is known.
+    for platform, types in _ext.types().items():
+        for name, registration in types.items():
+            jax.ffi.register_ffi_type(name, registration, platform=_XLA_PLATFORMS[platform])
     platforms = []
     for platform, targets in _ext.registrations().items():
         for name, capsule in targets.items():

@@ -904,6 +904,42 @@ def test_tensor_core_box_filter_on_gpu_matches_oracle(
     _check_forward_and_gather(case, dtype, gpu, rng)
 
 
+def test_tensor_core_plane_forward_hands_out_groups_call_after_call(
+    gpu: jax.Device, rng: np.random.Generator
+) -> None:
+    """The tensor-core plane kernel hands out groups of planes from a counter
+    that each forward custom call owns and that must be back at zero after
+    every call. Calls of one jitted function on alternating inputs (a group
+    left out would keep the other input's result in a reused buffer), and a
+    function with two such forwards of different sizes (two counters, with
+    different numbers of groups), each call against the oracle."""
+    dtype = BF16
+    a = TorchCase((48, 256, 28, 28), 7, 1, 0)  # 768 groups of 16 planes
+    b = TorchCase((41, 259, 28, 28), 7, 1, 1)  # 664 groups, the last of 11 planes
+    one = jax.jit(functools.partial(avg_pool2d, **a.kwargs("gather")))
+
+    def both(x, z):
+        return (
+            avg_pool2d(x, **a.kwargs("gather")),
+            avg_pool2d(z, **b.kwargs("gather")),
+        )
+
+    both = jax.jit(both)
+    xs = [random_array(rng, a.shape, dtype) for _ in range(2)]
+    zs = [random_array(rng, b.shape, dtype) for _ in range(2)]
+    want_x = [a.oracle_forward(x) for x in xs]
+    want_z = [b.oracle_forward(z) for z in zs]
+    with dtype_mode(dtype):
+        on_gpu_x = [_on(gpu, x)[0] for x in xs]
+        on_gpu_z = [_on(gpu, z)[0] for z in zs]
+        for i in range(6):
+            k = i % 2
+            assert_close(one(on_gpu_x[k]), want_x[k], dtype, f"forward, call {i}")
+            y, w = both(on_gpu_x[1 - k], on_gpu_z[k])
+            assert_close(y, want_x[1 - k], dtype, f"first of two forwards, call {i}")
+            assert_close(w, want_z[k], dtype, f"second of two forwards, call {i}")
+
+
 def _with_non_finite(
     case: TorchCase, dtype: np.dtype, rng: np.random.Generator, far_column: int
 ) -> tuple[np.ndarray, np.ndarray]:
