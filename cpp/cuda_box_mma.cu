@@ -708,22 +708,22 @@ constexpr int kScheduleSlots = 1 << 16;
 __device__ unsigned schedule_counters[kScheduleSlots];
 
 // The current device's counter of `slot`, its address asked of the runtime
-// once a device.
+// once a device (kept with the launchers' other per-device facts).
+inline KernelFacts<unsigned*>& CounterFacts() {
+  static KernelFacts<unsigned*> facts;
+  return facts;
+}
 cudaError_t ScheduleCounter(int slot, unsigned*& counter) {
-  constexpr int kDevices = 64;
-  static std::atomic<unsigned*> bases[kDevices];
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
+  KernelKey key;
+  cudaError_t err = KeyOf(&schedule_counters, 0, 0, key);
   if (err != cudaSuccess) return err;
-  unsigned* base = device < kDevices
-                       ? bases[device].load(std::memory_order_acquire)
-                       : nullptr;
-  if (base == nullptr) {
+  unsigned* base = nullptr;
+  if (!CounterFacts().Find(key, base)) {
     void* p = nullptr;
     err = cudaGetSymbolAddress(&p, schedule_counters);
     if (err != cudaSuccess) return err;
     base = static_cast<unsigned*>(p);
-    if (device < kDevices) bases[device].store(base, std::memory_order_release);
+    CounterFacts().Keep(key, base);
   }
   counter = base + slot;
   return cudaSuccess;
