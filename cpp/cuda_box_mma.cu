@@ -2,7 +2,8 @@
 // forward and the gather of windows 4 to 9 columns wide (7x7/1), where
 // BoxNhwc (cuda_kernels.cu) spends most of its time on the instructions of
 // its sums; in NCHW the forward of such windows over planes with rows of 18
-// to 32 columns (MmaPlanesNchw, below).
+// to 32 columns, and the gathers that are such forwards over dy
+// (MmaPlanesNchw, below).
 //
 // A window sum along W is a product with a 0/1 matrix: for 8 adjacent
 // destination columns j, the sums over the 16 source columns k under them
@@ -636,9 +637,11 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
 // (cp.async.bulk, two stages) were slower: 34.4 with padding 1, and 32.1
 // for 28x28. Before the sums over shared rows, the R * KH products a step
 // took 30.4-31.3 with four warps. Its copies in and out alone (one group a
-// block, no sums, four warps) took 26.0. Not taken for the gathers, where
-// StripsNchw is faster (27.2 against 41 for a first form of this kernel),
-// nor where two buffers of planes and the stage take more than
+// block, no sums, four warps) took 26.0. Not taken for the gathers that
+// StripsNchw takes, where that is faster (26.0 against 30.6 over 64x512
+// planes of 28x28; 27.2 against 41 for a first form of this kernel); the
+// others come here as forwards over dy (LaunchMmaPlanesNchwGather); nor
+// where two buffers of planes and the stage take more than
 // kPlaneMmaMaxShared. Its first forms took 51 us, then 39: the compiler
 // computed B and the lanes' addresses again at each product (hence the
 // opaque moves); then steps of two rows, every source row checked against
@@ -1235,10 +1238,15 @@ template bool LaunchMmaBoxNhwc<__nv_bfloat16, true, true>(
     cudaStream_t, const PoolAttrs&, const PoolShape&, const __nv_bfloat16*,
     __nv_bfloat16*, cudaError_t&);
 
+namespace {
+
+// The launcher of both: the forward of stride-1 windows under attributes
+// `a` over planes of shape `s`, each window's sum scaled by `shared` where
+// all share one factor.
 template <typename T>
-bool LaunchMmaPlanesNchw(cudaStream_t stream, const PoolAttrs& a,
-                         const PoolShape& s, const T* src, T* dst, int schedule,
-                         cudaError_t& error) {
+bool LaunchMmaPlanes(cudaStream_t stream, const PoolAttrs& a,
+                     const PoolShape& s, const SharedFactor<float>& shared,
+                     const T* src, T* dst, int schedule, cudaError_t& error) {
   return WithSpec(a, [&](auto spec) {
     using S = decltype(spec);
     if constexpr (!NhwcBox<S>() || S::KW > 8) {
@@ -1287,7 +1295,6 @@ bool LaunchMmaPlanesNchw(cudaStream_t stream, const PoolAttrs& a,
         const size_t smem =
             static_cast<size_t>(g.factors_at) + (OH + 8 * NT) * sizeof(float);
         if (smem > kPlaneMmaMaxShared) return false;
-        const SharedFactor<float> shared = SharedFactorOf<float>(a, s);
         const auto kernel = shared.all ? MmaPlanesNchw<T, S, NT, true>
                                        : MmaPlanesNchw<T, S, NT, false>;
         if (!MmaCompiled(kernel)) return false;
@@ -1327,6 +1334,42 @@ bool LaunchMmaPlanesNchw(cudaStream_t stream, const PoolAttrs& a,
   });
 }
 
+}  // namespace
+
+template <typename T>
+bool LaunchMmaPlanesNchw(cudaStream_t stream, const PoolAttrs& a,
+                         const PoolShape& s, const T* src, T* dst, int schedule,
+                         cudaError_t& error) {
+  return LaunchMmaPlanes<T>(stream, a, s, SharedFactorOf<float>(a, s), src, dst,
+                            schedule, error);
+}
+
+// The gather of stride-1 windows that share one factor is a forward over
+// dy: dx(i, j) sums dy over rows i + pad_top - KH + 1 .. i + pad_top and
+// the columns alike (zero outside dy), the forward's windows over dy
+// padded by KH - 1 - pad_top above and KW - 1 - pad_left on the left,
+// scaled by the same factor.
+template <typename T>
+bool LaunchMmaPlanesNchwGather(cudaStream_t stream, const PoolAttrs& a,
+                               const PoolShape& s, const T* dy, T* dx,
+                               cudaError_t& error) {
+  const SharedFactor<float> shared = SharedFactorOf<float>(a, s);
+  if (!shared.all || a.layout != kNCHW || a.stride_h != 1 || a.stride_w != 1) {
+    return false;
+  }
+  PoolAttrs f = a;
+  const PoolShape g{s.batch, s.channels, s.out_h, s.out_w, s.in_h, s.in_w};
+  f.pad_top = a.kernel_h - 1 - a.pad_top;
+  f.pad_left = a.kernel_w - 1 - a.pad_left;
+  f.pad_bottom = g.out_h - g.in_h - f.pad_top + a.kernel_h - 1;
+  f.pad_right = g.out_w - g.in_w - f.pad_left + a.kernel_w - 1;
+  f.ceil_mode = 0;
+  if (f.pad_top < 0 || f.pad_left < 0 || f.pad_bottom < 0 || f.pad_right < 0) {
+    return false;
+  }
+  return LaunchMmaPlanes<T>(stream, f, g, shared, dy, dx, -1, error);
+}
+
 template bool LaunchMmaPlanesNchw<__half>(cudaStream_t, const PoolAttrs&,
                                           const PoolShape&, const __half*,
                                           __half*, int, cudaError_t&);
@@ -1335,5 +1378,11 @@ template bool LaunchMmaPlanesNchw<__nv_bfloat16>(cudaStream_t, const PoolAttrs&,
                                                  const __nv_bfloat16*,
                                                  __nv_bfloat16*, int,
                                                  cudaError_t&);
+template bool LaunchMmaPlanesNchwGather<__half>(cudaStream_t, const PoolAttrs&,
+                                                const PoolShape&, const __half*,
+                                                __half*, cudaError_t&);
+template bool LaunchMmaPlanesNchwGather<__nv_bfloat16>(
+    cudaStream_t, const PoolAttrs&, const PoolShape&, const __nv_bfloat16*,
+    __nv_bfloat16*, cudaError_t&);
 
 }  // namespace jax_avgpool::cuda

@@ -824,6 +824,12 @@ template <typename T>
 bool LaunchMmaPlanesNchw(cudaStream_t stream, const PoolAttrs& a,
                          const PoolShape& s, const T* src, T* dst, int schedule,
                          cudaError_t& error);
+// The NCHW gather of stride-1 windows that share one factor, as that
+// forward over dy (also cuda_box_mma.cu), alike.
+template <typename T>
+bool LaunchMmaPlanesNchwGather(cudaStream_t stream, const PoolAttrs& a,
+                               const PoolShape& s, const T* dy, T* dx,
+                               cudaError_t& error);
 
 // The scatter of 7x7/1-like windows by the gather's kernels, adding their
 // results to a zeroed dx with atomics in place of their stores

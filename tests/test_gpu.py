@@ -876,13 +876,19 @@ def _tensor_core_plane_cases() -> list:
     ceil_mode; a last group of 13 planes; rows of 30 columns; planes of 32x32
     and 30x30 (at padding 3), whose buffers and stage take more than 72 KiB of
     shared memory; and calls it leaves to the other kernels (too few planes,
-    an odd width, destination rows of 16 columns). The gathers of these calls
-    run on the other kernels."""
+    an odd width, destination rows of 16 columns). Their gathers where dy's
+    columns start at an odd offset (paddings 1 and 3 over the columns), which
+    the strip kernel does not take, run on it too, as forwards over dy, where
+    every window shares one divisor: 28x28 planes at padding 1, with
+    ceil_mode, and at padding 3 over the rows and 1 over the columns; 32x32,
+    24x30, and 26x26 under an override. The others run on the strip kernel or
+    the other kernels."""
     calls = (
         ((64, 256, 28, 28), 0, {}),
         ((64, 256, 32, 32), 1, {}),
         ((70, 129, 30, 30), 3, {"count_include_pad": False}),
         ((64, 256, 28, 28), 1, {}),
+        ((64, 256, 28, 28), (3, 1), {}),
         ((64, 256, 28, 28), 2, {"count_include_pad": False}),
         ((64, 256, 26, 26), 3, {"divisor_override": 11}),
         ((65, 253, 28, 28), 1, {"ceil_mode": True}),
