@@ -658,7 +658,14 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
 constexpr int kPlaneMmaPlanes = 16;
 constexpr int kPlaneMmaWarps = 8;
 constexpr int kPlaneMmaThreads = 32 * kPlaneMmaWarps;
-constexpr int kPlaneMmaRows = 3;  // destination rows of a warp's step
+// Destination rows of a warp's step. Over 25 to 32 destination rows, where
+// two of the eight warps take a second step, steps of four rows (one each,
+// R + KH + 1 products a tile, 128 registers and a few spilled) were no
+// faster: H200, bfloat16, us, 64x512 planes of 28x28 at padding 3 35.4
+// against 35.9 (forward and gather alike), and 5-11% slower over 64x256 of
+// 32x32 at padding 1 (forward 23.4 against 21.6), 70x256 of 30x30 and
+// 64x256 of 26x26 at padding 3.
+constexpr int kPlaneMmaRows = 3;
 // At most this much shared memory a block: two blocks a multiprocessor on
 // the H200 (228 KiB, 1 KiB of it reserved a block), and the launcher takes
 // the kernel only where two blocks stay resident. With a limit of 72 KiB
