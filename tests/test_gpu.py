@@ -879,10 +879,10 @@ def _tensor_core_plane_cases() -> list:
     an odd width, destination rows of 16 columns). Their gathers where dy's
     columns start at an odd offset (paddings 1 and 3 over the columns), which
     the strip kernel does not take, run on it too, as forwards over dy, where
-    every window shares one divisor: 28x28 planes at padding 1, with
-    ceil_mode, and at padding 3 over the rows and 1 over the columns; 32x32,
-    24x30, and 26x26 under an override. The others run on the strip kernel or
-    the other kernels."""
+    every window shares one divisor: planes of 28x28 at padding 1, with
+    ceil_mode, and at padding 3 over the rows and 1 over the columns; of 32x32
+    and 24x30 at padding 1; of 26x26 at padding 3 under an override. The
+    others run on the strip kernel or the other kernels."""
     calls = (
         ((64, 256, 28, 28), 0, {}),
         ((64, 256, 32, 32), 1, {}),
