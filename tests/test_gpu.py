@@ -946,6 +946,40 @@ def test_tensor_core_plane_forward_hands_out_groups_call_after_call(
             assert_close(w, want_z[k], dtype, f"second of two forwards, call {i}")
 
 
+@pytest.mark.parametrize("pad", [0, 1, 3])
+def test_more_than_2_31_elements_through_the_tensor_core_plane_kernel(
+    pad: int, gpu: jax.Device, rng: np.random.Generator
+) -> None:
+    """64-bit offsets: a bfloat16 NCHW tensor of 4096x700x28x28 (2.25e9
+    elements) pooled 7x7/1, the forward on the tensor-core plane kernel at
+    each padding, the gather on it at paddings 1 and 3 (on the strip kernel at
+    padding 0). Planes are pooled independently, so three groups of planes of
+    the forward and the gather (the first, the last, and 33 of the middle
+    image) are checked against the oracle on those planes alone. Needs about
+    25 GiB of GPU memory."""
+    if (gpu.memory_stats() or {}).get("bytes_limit", 0) < 40 * 2**30:
+        pytest.skip("needs a GPU with 40 GiB of memory for JAX")
+    case = TorchCase((4096, 700, 28, 28), 7, 1, pad)
+    n, c = case.nchw[:2]
+
+    @jax.jit
+    def run(kx, kg):
+        x = jax.random.uniform(kx, case.shape, jnp.bfloat16, -1.0, 1.0)
+        g = jax.random.uniform(kg, case.out_shape, jnp.bfloat16, -1.0, 1.0)
+        y, pull = jax.vjp(functools.partial(avg_pool2d, **case.kwargs("gather")), x)
+        parts = ((slice(0, 1), slice(0, 16)), (slice(n - 1, n), slice(c - 16, c)))
+        parts += ((slice(n // 2, n // 2 + 1), slice(300, 333)),)
+        dx = pull(g)[0]
+        return [(x[p], g[p], y[p], dx[p]) for p in parts]
+
+    with jax.default_device(gpu):
+        kx, kg = jax.random.split(jax.random.key(int(rng.integers(2**31))))
+        for x, g, y, dx in run(kx, kg):
+            part = TorchCase(x.shape, 7, 1, pad)
+            assert_close(y, part.oracle_forward(x), BF16, "forward")
+            assert_close(dx, part.oracle_vjp(g), BF16, "gather gradient")
+
+
 def _with_non_finite(
     case: TorchCase, dtype: np.dtype, rng: np.random.Generator, far_column: int
 ) -> tuple[np.ndarray, np.ndarray]:
