@@ -1247,6 +1247,467 @@ template bool LaunchMmaBoxNhwc<__nv_bfloat16, true, true>(
 
 namespace {
 
+// ---------------------------------------------------------------------------
+// NHWC gather of stride-1 windows that share one factor, over destination
+// images of 20 to 32 rows and columns whose dy tiles fit shared memory twice
+// (MmaTileGatherNhwc): the sums down H on the tensor cores, along W in
+// registers.
+//
+// A unit is 32 channels (64 bytes of a pixel) of one image. A block takes
+// units blockIdx.x, + gridDim.x, ... in turn, the whole dy tile of each in
+// shared memory (cp.async, two buffers: the unit after next is copied in
+// while the block sums this one). Warp w takes channels 8 (w & 3) .. + 7 and
+// row tile w >> 2: 16 dx rows (the first 16, or the last 16), of which it
+// stores one half of the image's rows. Per dy column, one product
+// D = A * B sums down H: B is the column's 16 dy rows from the first that
+// the windows of the stored rows reach (ldmatrix, transposed: rows as K,
+// channels as N), A the 0/1 matrix of which of them each dx row's window
+// holds; where those windows reach more than 16 rows of dy, a second
+// product takes 8 more. Along W the column sums go into suffix and prefix
+// sums over blocks of KW columns held in registers (as BlockSumsNhwc does
+// down H, cuda_box_sums.cu): a dx column's window is the suffix of one
+// block and the prefix of the next, two additions. The walk along W is
+// unrolled (NB blocks, a kernel each); columns outside dy read a zero pixel
+// past each tile row, and blocks wholly outside take no products. Each
+// block of KW dx columns is scaled, rounded, stored transposed back into
+// pixels (stmatrix) in a stage, and copied out in 64-byte pieces by the row
+// tile's four warps behind a barrier of their own.
+//
+// MmaBoxNhwc takes 16 channels of 16 dy columns into 8 dx columns of one
+// row per product, a row at a time, and its gather of 64x28x28x512 reads
+// each dy row from shared memory for every pair of dx rows whose windows
+// hold it. Here a product takes 16 dx rows of one column, and each dy
+// column is read once per row tile. On the H200 (CUDA events, us, against
+// MmaBoxNhwc's gather in the same runs): bfloat16 64x28x28x512 28.9 against
+// 30.9, float16 29.3 against 31.1, with padding 1 31.7 against 32.7;
+// 80x28x28x512 35.0 against 40.8, 92x27x27x512 38.8 against 45.2. Outputs
+// equal MmaBoxNhwc's byte for byte on those calls' random inputs (both sum
+// exactly in float32 there). A prototype of this kernel with the bench
+// call's geometry fixed at compile time ran in 26.1-26.3 us: the runtime
+// geometry costs it 2-3 us of instructions (15.3 M against 11.8 M before
+// the walk was unrolled, 13.6 M after). Slower forms tried: the walk as a
+// runtime loop (29.7-34.7), branches around the products of columns
+// outside dy (31.3), the copy out in whole rows of every other column a
+// thread (32.2: spills), units handed out by a counter (27.9-28.5 in the
+// prototype against 26.1-26.3 in a fixed order), one tile buffer and three
+// blocks a multiprocessor (27.9-28.1), the forward in the same shape
+// (31.4 against MmaBoxNhwc's 27.7: its 28-row tiles leave room for fewer
+// units in flight). Elsewhere (channels not in 64s, fewer rows) it was not
+// measured against the kernels that take those calls, so it leaves them.
+//
+// The 0/1 matrix does not hide what it multiplies (0 * inf is NaN): an
+// infinity or NaN among a unit's column sums (seen in each block's sum)
+// makes the block sum the unit again, element by element from global
+// memory.
+constexpr int kTileThreads = 256;
+constexpr int kTileChannels = 32;
+constexpr int kTileMinRows = kMmaMinRows, kTileMaxRows = 32;
+
+// The walk along W is unrolled: blocks of KW columns, NB of them (4 to 6 for
+// 20 to 32 columns of 7x7 windows).
+constexpr int kTileMinBlocks = 4, kTileMaxBlocks = 6;
+template <int NB, int kMax, typename Fn>
+void WithTileBlocks(int nb, Fn&& fn) {
+  if constexpr (NB <= kMax) {
+    if (nb == NB) {
+      fn(std::integral_constant<int, NB>{});
+    } else {
+      WithTileBlocks<NB + 1, kMax>(nb, fn);
+    }
+  }
+}
+
+// What the launcher works out once for a call.
+struct TileGeometry {
+  int src_h, src_w, dst_h, dst_w;
+  int lead_h, lead_w;  // dx row i takes dy rows i - lead_h .. + KH - 1
+  int pitch;           // bytes of a tile row: an odd number of pixels,
+                       // one past the source's at least
+  int buf;             // bytes of a tile: its rows and one of zeros
+  int stage_row;       // bytes of a stage row: an odd number of pixels
+  // Of row tile 0 and 1: first dx row, first dy row read, products (1 or
+  // 2), dx rows stored [lo, hi).
+  int m0_0, m0_1, k0_0, k0_1, chunks_0, chunks_1, lo_0, lo_1, hi_0, hi_1;
+};
+
+// m8n8 matrices to shared memory as they are: lane 4g + t holds row g,
+// columns 2t and 2t + 1 of matrix i in m[i], which land at the row address
+// that lane 8i + g gives.
+__device__ __forceinline__ void StoreRowsTwo(unsigned at, unsigned m0,
+                                             unsigned m1) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile(
+      "stmatrix.sync.aligned.m8n8.x2.shared.b16 [%0], {%1,%2};\n" ::"r"(at),
+      "r"(m0), "r"(m1)
+      : "memory");
+#endif
+}
+
+// acc += A (16 x 8, 2 registers) * B (8 x 8, 1 register).
+template <typename T>
+__device__ __forceinline__ void MmaAddEight(float (&acc)[4], unsigned a0,
+                                            unsigned a1, unsigned b0) {
+#if __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(a0), "r"(a1), "r"(b0));
+  } else {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(a0), "r"(a1), "r"(b0));
+  }
+#endif
+}
+
+template <typename T, typename S, int NB>
+__global__ void __launch_bounds__(kTileThreads, 2)
+    MmaTileGatherNhwc(const T* __restrict__ dy, T* __restrict__ dx,
+                      const TileGeometry geo, const float factor,
+                      const int64_t channels, const int64_t units) {
+#if __CUDA_ARCH__ >= 900
+  constexpr int KH = S::KH, KW = S::KW;
+  extern __shared__ __align__(128) unsigned char tile_smem[];
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid & 31, warp = tid >> 5;
+  const int q = warp & 3, h = warp >> 2;  // channels 8q .. 8q + 7, row tile
+  const int g = lane >> 2, t4 = lane & 3;
+  // An image's elements fit an int (the launcher), so offsets inside one
+  // are ints.
+  const int64_t C = channels, groups = C / kTileChannels;
+  const int c32 = static_cast<int>(channels);
+  const int src_px = geo.src_h * geo.src_w;
+  const int64_t dst_px = static_cast<int64_t>(geo.dst_h) * geo.dst_w;
+  const unsigned smem =
+      static_cast<unsigned>(__cvta_generic_to_shared(tile_smem));
+  // Chunk c (16 bytes, 8 channels) of pixel p of tile row r sits at
+  // c ^ ((r >> 1) & 3): with rows an odd number of 64-byte pixels apart, the
+  // eight rows that one matrix of ldmatrix reads fall on distinct banks.
+  const auto at_of = [&](int r, int p, int c) {
+    return static_cast<unsigned>(r * geo.pitch + p * 64 +
+                                 ((c ^ ((r >> 1) & 3)) << 4));
+  };
+  // The zero row after each tile's rows and the zero pixels past each row's
+  // last, written once (no copy reaches them); the first unit's barrier
+  // orders them before any read.
+  const int row_px = geo.pitch / 64;
+  const int spare = (geo.src_h + 1) * row_px - geo.src_h * geo.src_w;
+  for (int i = tid; i < 2 * 4 * spare; i += kTileThreads) {
+    const int b = i / (4 * spare), c = i & 3;
+    int px = i % (4 * spare) >> 2, r = geo.src_h, p = px;
+    if (px < geo.src_h * (row_px - geo.src_w)) {
+      r = px / (row_px - geo.src_w);
+      p = geo.src_w + px % (row_px - geo.src_w);
+    } else {
+      p = px - geo.src_h * (row_px - geo.src_w);
+    }
+    *reinterpret_cast<uint4*>(tile_smem + b * geo.buf + at_of(r, p, c)) =
+        make_uint4(0, 0, 0, 0);
+  }
+  const float inv_w = 1.0f / geo.src_w;
+  const auto load = [&](int64_t u, int b) {
+    if (u < units) {
+      const int64_t n = u / groups, cg = u - n * groups;
+      const T* const base = dy + n * src_px * C + cg * kTileChannels;
+      for (int i = tid; i < 4 * src_px; i += kTileThreads) {
+        const int c = i & 3, pix = i >> 2;
+        // pix / src_w (pix < 2^16: exact through the float reciprocal)
+        const int r = __float2int_rz((pix + 0.5f) * inv_w);
+        const int p = pix - r * geo.src_w;
+        StartCopyTo<16, false>(smem + b * geo.buf + at_of(r, p, c),
+                               base + (pix * c32 + c * 8), true);
+      }
+    }
+    CommitCopies();
+  };
+  const int m0 = h ? geo.m0_1 : geo.m0_0, k0 = h ? geo.k0_1 : geo.k0_0;
+  const int chunks = h ? geo.chunks_1 : geo.chunks_0;
+  const int lo = h ? geo.lo_1 : geo.lo_0, hi = h ? geo.hi_1 : geo.hi_0;
+  // A[m][k] = 1 where dy row k0 + k lies in the window of dx row m0 + m;
+  // a0 .. a3 the first product's fragment, e0 and e1 the second's (k from
+  // 16).
+  const auto one = [&](int m, int k) {
+    const int d = k0 + k - m0 - m;
+    return d >= -geo.lead_h && d < KH - geo.lead_h ? MmaOne<T>::kBits : 0u;
+  };
+  const auto pair = [&](int m, int k) {
+    return one(m, k) | one(m, k + 1) << 16;
+  };
+  const unsigned a0 = pair(g, 2 * t4), a1 = pair(g + 8, 2 * t4);
+  const unsigned a2 = pair(g, 2 * t4 + 8), a3 = pair(g + 8, 2 * t4 + 8);
+  const unsigned e0 = pair(g, 2 * t4 + 16), e1 = pair(g + 8, 2 * t4 + 16);
+  // Lane L < 24 gives the address of dy row k0 + L, or of the zero row past
+  // dy's last.
+  const int lr = lane < 24 ? k0 + lane : k0;
+  const unsigned read_at = at_of(lr < geo.src_h ? lr : geo.src_h, 0, q);
+  // The stage: [row tile][buffer][16 rows][stage_row bytes], chunks placed
+  // as in the tiles.
+  const int stage_bytes = 16 * geo.stage_row;
+  const unsigned stage = smem + 2 * geo.buf;
+  const auto stage_of = [&](int row, int j, int c) {
+    return static_cast<unsigned>(row * geo.stage_row + j * 64 +
+                                 ((c ^ ((row >> 1) & 3)) << 4));
+  };
+  // Lane L of stmatrix gives dx row m0 + L's address: stage row
+  // m0 + L - lo, those stored in [0, hi - lo), the others, as many, in the
+  // rows left.
+  const unsigned st_at = stage + 2 * h * stage_bytes +
+                         stage_of((m0 + (lane & 15) - lo) & 15, 0, q);
+  const unsigned char* const my_stage =
+      tile_smem + 2 * geo.buf + 2 * h * stage_bytes;
+  const int64_t step = gridDim.x;
+  load(blockIdx.x, 0);
+  load(blockIdx.x + step, 1);
+  int k = 0;
+  for (int64_t unit = blockIdx.x; unit < units; unit += step, ++k) {
+    CopyWait<1>();
+    __syncthreads();
+    const unsigned tile = smem + (k & 1) * geo.buf + read_at;
+    const unsigned zero_at = tile + geo.src_w * 64;
+    const int64_t n = unit / groups, cg = unit - n * groups;
+    T* const out = dx + n * dst_px * C + cg * kTileChannels;
+    // 0 while every column sum is finite (x * 0 + check).
+    float check = 0.f;
+    // Column sums numbered t: dx column o sums t = o .. o + KW - 1, t being
+    // dy column t - lead_w, or the zero pixel past each tile row's last.
+    // Lane 4g + t4 holds rows g and g + 8, channels 2 t4 and 2 t4 + 1.
+    const auto columns = [&](auto two) {
+      float ring[KW][4], pre[4];
+      FillZero(ring);
+      FillZero(pre);
+      // The sums of KW columns from t0 into ring (the suffix sums of the
+      // block once done), and with `out`, dx columns t0 - KW .. t0 - 1 into
+      // stage buffer b & 1.
+      // `any`: some column of the block lies in dy (else no products).
+      const auto block = [&](int t0, int b, auto out, auto any) {
+#pragma unroll
+        for (int j = 0; j < KW; ++j) {
+          float v[4] = {0.f, 0.f, 0.f, 0.f};
+          if constexpr (decltype(any)::value) {
+            const int u = t0 + j - geo.lead_w;
+            const unsigned at =
+                static_cast<unsigned>(u) < static_cast<unsigned>(geo.src_w)
+                    ? tile + u * 64
+                    : zero_at;
+            if constexpr (decltype(two)::value) {
+              unsigned m[4];
+              LoadFour(m, at);
+              MmaAdd<T>(v, v, a0, a1, a2, a3, m[0], m[1], true);
+              MmaAddEight<T>(v, e0, e1, m[2]);
+            } else {
+              unsigned m[2];
+              LoadTwo(m, at);
+              MmaAdd<T>(v, v, a0, a1, a2, a3, m[0], m[1], true);
+            }
+          }
+          if constexpr (decltype(out)::value) {
+            // dx column t0 + j - KW: the suffix of the last block from j and
+            // the prefix of this one before j.
+            float r[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              r[e] = (j > 0 ? ring[j][e] + pre[e] : ring[j][e]) * factor;
+            }
+            const unsigned w0 = Pack<T>(r[0], r[1]), w1 = Pack<T>(r[2], r[3]);
+            StoreRowsTwo(st_at + (b & 1) * stage_bytes + j * 64, w0, w1);
+          }
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            pre[e] = j > 0 ? pre[e] + v[e] : v[e];
+            ring[j][e] = v[e];
+          }
+        }
+#pragma unroll
+        for (int j = KW - 2; j >= 0; --j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) ring[j][e] += ring[j + 1][e];
+        }
+        // An infinity or NaN among the block's column sums makes its sum
+        // one too (or a NaN).
+#pragma unroll
+        for (int e = 0; e < 4; ++e) check = fmaf(ring[0][e], 0.f, check);
+      };
+      const auto any_block = [&](int t0, int b, auto out) {
+        const int u0 = t0 - geo.lead_w, u1 = u0 + KW - 1;
+        if (u1 < 0 || u0 >= geo.src_w) {
+          block(t0, b, out, std::false_type{});
+        } else {
+          block(t0, b, out, std::true_type{});
+        }
+      };
+      // dx columns o0 .. o0 + cols - 1 of stage buffer b & 1: the row
+      // tile's four warps copy its rows out.
+      const auto copy_out = [&](int o0, int b, auto whole) {
+        constexpr int kMost = 16 * KW * 4;
+        const int cols = decltype(whole)::value ? KW : geo.dst_w - o0;
+        const float inv_cols = 1.0f / cols;
+        const int pieces = (hi - lo) * cols * 4;
+        const unsigned char* const sb = my_stage + (b & 1) * stage_bytes;
+#pragma unroll 1
+        for (int k = 0; k < (kMost + 127) / 128; ++k) {
+          const int i = (tid & 127) + 128 * k;
+          if (i < pieces) {
+            const int c = i & 3, px = i >> 2;
+            const int row = decltype(whole)::value
+                                ? px / KW
+                                : __float2int_rz((px + 0.5f) * inv_cols);
+            const int j = px - row * cols;
+            const uint4 val =
+                *reinterpret_cast<const uint4*>(sb + stage_of(row, j, c));
+            *reinterpret_cast<uint4*>(
+                out +
+                ((lo + row) * static_cast<int64_t>(geo.dst_w) + o0 + j) * C +
+                c * 8) = val;
+          }
+        }
+      };
+      any_block(0, 0, std::false_type{});
+#pragma unroll
+      for (int b = 1; b < NB; ++b) {
+        const int t0 = KW * b;
+        any_block(t0, b, std::true_type{});
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + h) : "memory");
+        if (t0 <= geo.dst_w) {
+          copy_out(t0 - KW, b, std::true_type{});
+        } else {
+          copy_out(t0 - KW, b, std::false_type{});
+        }
+      }
+    };
+    if (chunks == 2) {
+      columns(std::true_type{});
+    } else {
+      columns(std::false_type{});
+    }
+    // Every copy out is done before the block sums the unit again; and
+    // every read of this tile before the unit after next is copied in.
+    if (__syncthreads_or(!(check == 0.f))) {
+      const T* const x0 = dy + n * src_px * C + cg * kTileChannels;
+      for (int64_t i = tid; i < dst_px * 16; i += kTileThreads) {
+        const int e = static_cast<int>(i & 15);
+        const int pix = static_cast<int>(i >> 4);
+        const int oi = pix / geo.dst_w, oj = pix - oi * geo.dst_w;
+        float s0 = 0.f, s1 = 0.f;
+        for (int dh = 0; dh < KH; ++dh) {
+          const int r = oi - geo.lead_h + dh;
+          if (r < 0 || r >= geo.src_h) continue;
+          for (int dw = 0; dw < KW; ++dw) {
+            const int c = oj - geo.lead_w + dw;
+            if (c < 0 || c >= geo.src_w) continue;
+            const T* const x =
+                x0 + (static_cast<int64_t>(r) * geo.src_w + c) * C + 2 * e;
+            s0 += Num<T>::Load(x[0]);
+            s1 += Num<T>::Load(x[1]);
+          }
+        }
+        *reinterpret_cast<unsigned*>(out + pix * C + 2 * e) =
+            Pack<T>(s0 * factor, s1 * factor);
+      }
+      __syncthreads();
+    }
+    load(unit + 2 * step, k & 1);
+  }
+  CopyWait<0>();
+#endif
+}
+
+}  // namespace
+
+template <typename T>
+bool LaunchMmaTileGatherNhwc(cudaStream_t stream, const PoolAttrs& a,
+                             const PoolShape& s, const T* dy, T* dx,
+                             cudaError_t& error) {
+  error = cudaSuccess;
+  return WithSpec(a, [&](auto spec) {
+    using S = decltype(spec);
+    if constexpr (!NhwcBox<S>() || S::KW > 9 || S::KH > 9) {
+      return false;
+    } else {
+      constexpr int KH = S::KH, KW = S::KW;
+      const SharedFactor<float> shared = SharedFactorOf<float>(a, s);
+      // Channels in 64s, as MmaBoxNhwc takes them: only there was it
+      // measured against the kernels that take the call otherwise.
+      if (!shared.all || s.channels % 64 != 0 ||
+          !CanVectorise<T, 8>(s, dy, dx)) {
+        return false;
+      }
+      const int64_t dst_h = s.in_h, dst_w = s.in_w;
+      const int64_t src_h = s.out_h, src_w = s.out_w;
+      const int64_t lead_h = KH - 1 - a.pad_top, lead_w = KW - 1 - a.pad_left;
+      if (dst_h < kTileMinRows || dst_h > kTileMaxRows || lead_h < 0 ||
+          lead_w < 0 || src_h < 1 || src_w < 1 || src_w > 64 ||
+          dst_w < kTileMinRows || dst_w > kTileMaxRows ||
+          dst_h * dst_w * s.channels > int64_t{INT32_MAX} ||
+          src_h * src_w * s.channels > int64_t{INT32_MAX}) {
+        return false;
+      }
+      TileGeometry geo{};
+      geo.src_h = static_cast<int>(src_h), geo.src_w = static_cast<int>(src_w);
+      geo.dst_h = static_cast<int>(dst_h), geo.dst_w = static_cast<int>(dst_w);
+      geo.lead_h = static_cast<int>(lead_h),
+      geo.lead_w = static_cast<int>(lead_w);
+      geo.pitch = static_cast<int>((src_w + 1) | 1) * 64;
+      geo.buf = (geo.src_h + 1) * geo.pitch;
+      geo.stage_row = (KW | 1) * 64;
+      // Row tile 0 stores dx rows [0, split), row tile 1 [split, dst_h), each
+      // from its 16 rows; each reads the dy rows its windows reach, from the
+      // first in dy.
+      const int split = (geo.dst_h + 1) / 2;
+      const auto tile = [&](int lo, int hi, int& k0, int& chunks) {
+        const int first = std::max(lo - geo.lead_h, 0);
+        const int last = std::min(hi - 1 - geo.lead_h + KH - 1, geo.src_h - 1);
+        k0 = std::min(first, geo.src_h);
+        chunks = last - first + 1 > 16 ? 2 : 1;
+      };
+      geo.m0_0 = 0, geo.lo_0 = 0, geo.hi_0 = split;
+      geo.m0_1 = geo.dst_h - 16, geo.lo_1 = split, geo.hi_1 = geo.dst_h;
+      tile(geo.lo_0, geo.hi_0, geo.k0_0, geo.chunks_0);
+      tile(geo.lo_1, geo.hi_1, geo.k0_1, geo.chunks_1);
+      const size_t smem = 2 * static_cast<size_t>(geo.buf) +
+                          4 * 16 * static_cast<size_t>(geo.stage_row);
+      // Blocks of KW columns the walk along W takes (dst_w + KW columns).
+      const int nb = (geo.dst_w + 2 * KW - 1) / KW;
+      using Kernel =
+          void (*)(const T*, T*, TileGeometry, float, int64_t, int64_t);
+      Kernel kernel = nullptr;
+      WithTileBlocks<kTileMinBlocks, kTileMaxBlocks>(nb, [&](auto n) {
+        kernel = MmaTileGatherNhwc<T, S, decltype(n)::value>;
+      });
+      if (kernel == nullptr) return false;
+      const KernelCode code = CodeOf(kernel);
+      if (code.binary < 90) return false;
+      int device = 0, sms = 0;
+      int64_t resident = 0;
+      error = cudaGetDevice(&device);
+      if (error == cudaSuccess) error = Multiprocessors(device, sms);
+      if (error == cudaSuccess) error = AllowSharedMemory(kernel, smem);
+      if (error == cudaSuccess) {
+        error = ResidentBlocks(kernel, kTileThreads, smem, resident);
+      }
+      if (error != cudaSuccess) return true;
+      // Two blocks a multiprocessor at least, and units for every block.
+      const int64_t units = s.batch * (s.channels / kTileChannels);
+      if (resident < 2 * int64_t{sms} || units < resident) return false;
+      const unsigned grid = static_cast<unsigned>(resident);
+      kernel<<<grid, kTileThreads, smem, stream>>>(dy, dx, geo, shared.value,
+                                                   s.channels, units);
+      error = cudaGetLastError();
+      return true;
+    }
+  });
+}
+
+template bool LaunchMmaTileGatherNhwc<__half>(cudaStream_t, const PoolAttrs&,
+                                              const PoolShape&, const __half*,
+                                              __half*, cudaError_t&);
+template bool LaunchMmaTileGatherNhwc<__nv_bfloat16>(
+    cudaStream_t, const PoolAttrs&, const PoolShape&, const __nv_bfloat16*,
+    __nv_bfloat16*, cudaError_t&);
+
+namespace {
+
 // The launcher of both: the forward of stride-1 windows under attributes
 // `a` over planes of shape `s`, each window's sum scaled by `shared` where
 // all share one factor.

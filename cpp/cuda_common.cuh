@@ -818,6 +818,14 @@ bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
                       const PoolShape& s, const T* src, T* dst,
                       cudaError_t& error);
 
+// The NHWC gather of stride-1 windows that share one factor, over
+// destination images of 17 to 32 rows, by whole dy tiles (also
+// cuda_box_mma.cu), alike; on sm_90 builds.
+template <typename T>
+bool LaunchMmaTileGatherNhwc(cudaStream_t stream, const PoolAttrs& a,
+                             const PoolShape& s, const T* dy, T* dx,
+                             cudaError_t& error);
+
 // The NCHW forward's counterpart (also cuda_box_mma.cu), alike; `schedule`
 // is the calling instance's slot (AcquireScheduleSlot) or -1.
 template <typename T>

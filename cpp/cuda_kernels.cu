@@ -2057,8 +2057,14 @@ cudaError_t LaunchSlideNhwc(cudaStream_t stream, const PoolAttrs& a,
   };
   if constexpr (NhwcBox<S>()) {
     if constexpr (sizeof(T) == 2) {
-      // The tensor-core box filter, where it applies.
+      // The tensor-core kernels, where they apply: for gathers first the
+      // one of whole dy tiles, then the box filter.
       cudaError_t error = cudaSuccess;
+      if constexpr (kGather) {
+        if (LaunchMmaTileGatherNhwc<T>(stream, a, s, src, dst, error)) {
+          return error;
+        }
+      }
       if (LaunchMmaBoxNhwc<T, kGather>(stream, a, s, src, dst, error)) {
         return error;
       }
