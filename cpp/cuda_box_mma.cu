@@ -1283,17 +1283,18 @@ namespace {
 // 80x28x28x512 35.0 against 40.8, 92x27x27x512 38.8 against 45.2. Outputs
 // equal MmaBoxNhwc's byte for byte on those calls' random inputs (both sum
 // exactly in float32 there). A prototype of this kernel with the bench
-// call's geometry fixed at compile time ran in 26.1-26.3 us: the runtime
-// geometry costs it 2-3 us of instructions (15.3 M against 11.8 M before
-// the walk was unrolled, 13.6 M after). Slower forms tried: the walk as a
-// runtime loop (29.7-34.7), branches around the products of columns
-// outside dy (31.3), the copy out in whole rows of every other column a
-// thread (32.2: spills), units handed out by a counter (27.9-28.5 in the
-// prototype against 26.1-26.3 in a fixed order), one tile buffer and three
-// blocks a multiprocessor (27.9-28.1), the forward in the same shape
-// (31.4 against MmaBoxNhwc's 27.7: its 28-row tiles leave room for fewer
-// units in flight). Elsewhere (channels not in 64s, fewer rows) it was not
-// measured against the kernels that take those calls, so it leaves them.
+// call's geometry fixed at compile time ran in 26.1-26.3 us, with 11.8 M
+// warp instructions to this kernel's 13.6 M. Slower forms tried: the walk
+// as a runtime loop (29.7-48.0), branches around the products of columns
+// outside dy (31.3), a form of its own for blocks wholly inside dy (29.8),
+// the copy out in whole rows of every other column a thread (32.2:
+// spills), units handed out by a counter (27.9-28.2 in the prototype
+// against 26.1-26.3 in a fixed order), one tile buffer and three blocks a
+// multiprocessor (27.9-28.1), the forward in the same shape (31.4 against
+// MmaBoxNhwc's 27.7: its 28-row tiles leave room for fewer units in
+// flight). BENCHMARKS.md has the forms and the bench. Elsewhere (channels not
+// in 64s, fewer rows) it was not measured against the kernels that take those
+// calls, so it leaves them.
 //
 // The 0/1 matrix does not hide what it multiplies (0 * inf is NaN): an
 // infinity or NaN among a unit's column sums (seen in each block's sum)
