@@ -819,7 +819,7 @@ bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
                       cudaError_t& error);
 
 // The NHWC gather of stride-1 windows that share one factor, over
-// destination images of 17 to 32 rows, by whole dy tiles (also
+// destination images of 20 to 32 rows and columns, by whole dy tiles (also
 // cuda_box_mma.cu), alike; on sm_90 builds.
 template <typename T>
 bool LaunchMmaTileGatherNhwc(cudaStream_t stream, const PoolAttrs& a,
