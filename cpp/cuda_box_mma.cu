@@ -1273,25 +1273,28 @@ namespace {
 // pixels (stmatrix) in a stage, and copied out in 64-byte pieces by the row
 // tile's four warps behind a barrier of their own.
 //
-// MmaBoxNhwc takes 16 channels of 16 dy columns into 8 dx columns of one
-// row per product, a row at a time, and its gather of 64x28x28x512 reads
-// each dy row from shared memory for every pair of dx rows whose windows
-// hold it. Here a product takes 16 dx rows of one column, and each dy
-// column is read once per row tile. On the H200 (CUDA events, us, against
-// MmaBoxNhwc's gather in the same runs): bfloat16 64x28x28x512 28.9 against
-// 30.9, float16 29.3 against 31.1, with padding 1 31.7 against 32.7;
-// 80x28x28x512 35.0 against 40.8, 92x27x27x512 38.8 against 45.2. Outputs
-// equal MmaBoxNhwc's byte for byte on those calls' random inputs (both sum
-// exactly in float32 there). A prototype of this kernel with the bench
-// call's geometry fixed at compile time ran in 26.1-26.3 us, with 11.8 M
-// warp instructions to this kernel's 13.6 M. Slower forms tried: the walk
-// as a runtime loop (29.7-48.0), branches around the products of columns
-// outside dy (31.3), a form of its own for blocks wholly inside dy (29.8),
-// the copy out in whole rows of every other column a thread (32.2:
-// spills), units handed out by a counter (27.9-28.2 in the prototype
-// against 26.1-26.3 in a fixed order), one tile buffer and three blocks a
-// multiprocessor (27.9-28.1), the forward in the same shape (31.4 against
-// MmaBoxNhwc's 27.7: its 28-row tiles leave room for fewer units in
+// MmaBoxNhwc takes 16 channels of 16 dy columns into 8 dx columns of one row
+// per product, a row at a time, and its gather of 64x28x28x512 reads each dy
+// row from shared memory for every pair of dx rows whose windows hold it. Here
+// a product takes 16 dx rows of one column, and each dy column is read once per
+// row tile. On the H200 (CUDA events, us, against MmaBoxNhwc's gather in the
+// same runs): bfloat16 64x28x28x512 28.9 against 30.9, float16 29.3 against
+// 31.1, with padding 1 31.7 against 32.7; 80x28x28x512 35.0 against 40.8,
+// 92x27x27x512 38.8 against 45.2. Outputs equal MmaBoxNhwc's byte for byte on
+// those calls' random inputs (both sum exactly in float32 there). Images of
+// 28x28 at padding 0 and 1 have kernels with the image fixed at compile time
+// (FixedImage, below): 86-87 registers against 114-126, 12.8 M warp
+// instructions against 13.6 M, and in the bench (bfloat16 64x28x28x512, against
+// the runtime form's run of the day before) 26.3 us against 27.6, 27.7 against
+// 30.0 at padding 1, 31.7 against 33.3 for 80 images. A form fixing only the
+// columns ran about as fast in the harness (27.0-27.4 against 27.7-27.8 in the
+// same runs). Slower forms tried: the walk as a runtime loop (29.7-48.0),
+// branches around the products of columns outside dy (31.3), a form of its own
+// for blocks wholly inside dy (29.8), the copy out in whole rows of every other
+// column a thread (32.2: spills), units handed out by a counter (27.9-28.2 in
+// the prototype against 26.1-26.3 in a fixed order), one tile buffer and three
+// blocks a multiprocessor (27.9-28.1), the forward in the same shape (31.4
+// against MmaBoxNhwc's 27.7: its 28-row tiles leave room for fewer units in
 // flight). BENCHMARKS.md has the forms and the bench. Elsewhere (channels not
 // in 64s, fewer rows) it was not measured against the kernels that take those
 // calls, so it leaves them.
@@ -1318,17 +1321,32 @@ void WithTileBlocks(int nb, Fn&& fn) {
   }
 }
 
-// What the launcher works out once for a call.
-struct TileGeometry {
-  int src_h, src_w, dst_h, dst_w;
-  int lead_h, lead_w;  // dx row i takes dy rows i - lead_h .. + KH - 1
-  int pitch;           // bytes of a tile row: an odd number of pixels,
-                       // one past the source's at least
-  int buf;             // bytes of a tile: its rows and one of zeros
-  int stage_row;       // bytes of a stage row: an odd number of pixels
-  // Of row tile 0 and 1: first dx row, first dy row read, products (1 or
-  // 2), dx rows stored [lo, hi).
-  int m0_0, m0_1, k0_0, k0_1, chunks_0, chunks_1, lo_0, lo_1, hi_0, hi_1;
+// The images of a call: dy's rows and columns, dx's, and how far dy leads
+// (dx row i takes dy rows i - lead_h .. + KH - 1).
+struct TileImage {
+  int src_h, src_w, dst_h, dst_w, lead_h, lead_w;
+};
+// Bytes of a tile row (an odd number of pixels, one past dy's at least) and
+// of a tile (its rows and one of zeros).
+__host__ __device__ constexpr int TilePitch(const TileImage& im) {
+  return ((im.src_w + 1) | 1) * 64;
+}
+__host__ __device__ constexpr int TileBytes(const TileImage& im) {
+  return (im.src_h + 1) * TilePitch(im);
+}
+// The images at run time (the kernel's argument), or fixed at compile time
+// for common ones (the launcher's list), which lets the compiler lay out
+// the whole unit as for one call: its addresses, row tiles and walk along W.
+struct RuntimeImage {
+  static constexpr bool kFixed = false;
+  __host__ __device__ static constexpr TileImage Image() { return {}; }
+};
+template <int kSrcH, int kSrcW, int kDstH, int kDstW, int kLeadH, int kLeadW>
+struct FixedImage {
+  static constexpr bool kFixed = true;
+  __host__ __device__ static constexpr TileImage Image() {
+    return {kSrcH, kSrcW, kDstH, kDstW, kLeadH, kLeadW};
+  }
 };
 
 // m8n8 matrices to shared memory as they are: lane 4g + t holds row g,
@@ -1363,10 +1381,10 @@ __device__ __forceinline__ void MmaAddEight(float (&acc)[4], unsigned a0,
 #endif
 }
 
-template <typename T, typename S, int NB>
+template <typename T, typename S, int NB, typename I>
 __global__ void __launch_bounds__(kTileThreads, 2)
     MmaTileGatherNhwc(const T* __restrict__ dy, T* __restrict__ dx,
-                      const TileGeometry geo, const float factor,
+                      const TileImage image, const float factor,
                       const int64_t channels, const int64_t units) {
 #if __CUDA_ARCH__ >= 900
   constexpr int KH = S::KH, KW = S::KW;
@@ -1379,6 +1397,9 @@ __global__ void __launch_bounds__(kTileThreads, 2)
   // are ints.
   const int64_t C = channels, groups = C / kTileChannels;
   const int c32 = static_cast<int>(channels);
+  const TileImage geo = I::kFixed ? I::Image() : image;
+  const int pitch = TilePitch(geo), buf = TileBytes(geo);
+  constexpr int stage_row = (KW | 1) * 64;  // an odd number of pixels
   const int src_px = geo.src_h * geo.src_w;
   const int64_t dst_px = static_cast<int64_t>(geo.dst_h) * geo.dst_w;
   const unsigned smem =
@@ -1387,13 +1408,13 @@ __global__ void __launch_bounds__(kTileThreads, 2)
   // c ^ ((r >> 1) & 3): with rows an odd number of 64-byte pixels apart, the
   // eight rows that one matrix of ldmatrix reads fall on distinct banks.
   const auto at_of = [&](int r, int p, int c) {
-    return static_cast<unsigned>(r * geo.pitch + p * 64 +
+    return static_cast<unsigned>(r * pitch + p * 64 +
                                  ((c ^ ((r >> 1) & 3)) << 4));
   };
   // The zero row after each tile's rows and the zero pixels past each row's
   // last, written once (no copy reaches them); the first unit's barrier
   // orders them before any read.
-  const int row_px = geo.pitch / 64;
+  const int row_px = pitch / 64;
   const int spare = (geo.src_h + 1) * row_px - geo.src_h * geo.src_w;
   for (int i = tid; i < 2 * 4 * spare; i += kTileThreads) {
     const int b = i / (4 * spare), c = i & 3;
@@ -1404,7 +1425,7 @@ __global__ void __launch_bounds__(kTileThreads, 2)
     } else {
       p = px - geo.src_h * (row_px - geo.src_w);
     }
-    *reinterpret_cast<uint4*>(tile_smem + b * geo.buf + at_of(r, p, c)) =
+    *reinterpret_cast<uint4*>(tile_smem + b * buf + at_of(r, p, c)) =
         make_uint4(0, 0, 0, 0);
   }
   const float inv_w = 1.0f / geo.src_w;
@@ -1417,15 +1438,23 @@ __global__ void __launch_bounds__(kTileThreads, 2)
         // pix / src_w (pix < 2^16: exact through the float reciprocal)
         const int r = __float2int_rz((pix + 0.5f) * inv_w);
         const int p = pix - r * geo.src_w;
-        StartCopyTo<16, false>(smem + b * geo.buf + at_of(r, p, c),
+        StartCopyTo<16, false>(smem + b * buf + at_of(r, p, c),
                                base + (pix * c32 + c * 8), true);
       }
     }
     CommitCopies();
   };
-  const int m0 = h ? geo.m0_1 : geo.m0_0, k0 = h ? geo.k0_1 : geo.k0_0;
-  const int chunks = h ? geo.chunks_1 : geo.chunks_0;
-  const int lo = h ? geo.lo_1 : geo.lo_0, hi = h ? geo.hi_1 : geo.hi_0;
+  // Row tile 0 holds dx rows [0, 16) and stores [0, split); row tile 1
+  // holds [dst_h - 16, dst_h) and stores [split, dst_h). Each reads the dy
+  // rows from the first its stored rows' windows reach: 16 (one product) or
+  // 24 (two).
+  const int split = (geo.dst_h + 1) / 2;
+  const int m0 = h ? geo.dst_h - 16 : 0;
+  const int lo = h ? split : 0, hi = h ? geo.dst_h : split;
+  const int first = max(lo - geo.lead_h, 0);
+  const int last = min(hi - 1 - geo.lead_h + KH - 1, geo.src_h - 1);
+  const int k0 = min(first, geo.src_h);
+  const int chunks = last - first + 1 > 16 ? 2 : 1;
   // A[m][k] = 1 where dy row k0 + k lies in the window of dx row m0 + m;
   // a0 .. a3 the first product's fragment, e0 and e1 the second's (k from
   // 16).
@@ -1445,10 +1474,10 @@ __global__ void __launch_bounds__(kTileThreads, 2)
   const unsigned read_at = at_of(lr < geo.src_h ? lr : geo.src_h, 0, q);
   // The stage: [row tile][buffer][16 rows][stage_row bytes], chunks placed
   // as in the tiles.
-  const int stage_bytes = 16 * geo.stage_row;
-  const unsigned stage = smem + 2 * geo.buf;
+  const int stage_bytes = 16 * stage_row;
+  const unsigned stage = smem + 2 * buf;
   const auto stage_of = [&](int row, int j, int c) {
-    return static_cast<unsigned>(row * geo.stage_row + j * 64 +
+    return static_cast<unsigned>(row * stage_row + j * 64 +
                                  ((c ^ ((row >> 1) & 3)) << 4));
   };
   // Lane L of stmatrix gives dx row m0 + L's address: stage row
@@ -1457,7 +1486,7 @@ __global__ void __launch_bounds__(kTileThreads, 2)
   const unsigned st_at = stage + 2 * h * stage_bytes +
                          stage_of((m0 + (lane & 15) - lo) & 15, 0, q);
   const unsigned char* const my_stage =
-      tile_smem + 2 * geo.buf + 2 * h * stage_bytes;
+      tile_smem + 2 * buf + 2 * h * stage_bytes;
   const int64_t step = gridDim.x;
   load(blockIdx.x, 0);
   load(blockIdx.x + step, 1);
@@ -1465,7 +1494,7 @@ __global__ void __launch_bounds__(kTileThreads, 2)
   for (int64_t unit = blockIdx.x; unit < units; unit += step, ++k) {
     CopyWait<1>();
     __syncthreads();
-    const unsigned tile = smem + (k & 1) * geo.buf + read_at;
+    const unsigned tile = smem + (k & 1) * buf + read_at;
     const unsigned zero_at = tile + geo.src_w * 64;
     const int64_t n = unit / groups, cg = unit - n * groups;
     T* const out = dx + n * dst_px * C + cg * kTileChannels;
@@ -1644,38 +1673,35 @@ bool LaunchMmaTileGatherNhwc(cudaStream_t stream, const PoolAttrs& a,
           src_h * src_w * s.channels > int64_t{INT32_MAX}) {
         return false;
       }
-      TileGeometry geo{};
-      geo.src_h = static_cast<int>(src_h), geo.src_w = static_cast<int>(src_w);
-      geo.dst_h = static_cast<int>(dst_h), geo.dst_w = static_cast<int>(dst_w);
-      geo.lead_h = static_cast<int>(lead_h),
-      geo.lead_w = static_cast<int>(lead_w);
-      geo.pitch = static_cast<int>((src_w + 1) | 1) * 64;
-      geo.buf = (geo.src_h + 1) * geo.pitch;
-      geo.stage_row = (KW | 1) * 64;
-      // Row tile 0 stores dx rows [0, split), row tile 1 [split, dst_h), each
-      // from its 16 rows; each reads the dy rows its windows reach, from the
-      // first in dy.
-      const int split = (geo.dst_h + 1) / 2;
-      const auto tile = [&](int lo, int hi, int& k0, int& chunks) {
-        const int first = std::max(lo - geo.lead_h, 0);
-        const int last = std::min(hi - 1 - geo.lead_h + KH - 1, geo.src_h - 1);
-        k0 = std::min(first, geo.src_h);
-        chunks = last - first + 1 > 16 ? 2 : 1;
+      const TileImage geo{static_cast<int>(src_h),  static_cast<int>(src_w),
+                          static_cast<int>(dst_h),  static_cast<int>(dst_w),
+                          static_cast<int>(lead_h), static_cast<int>(lead_w)};
+      const size_t smem = 2 * static_cast<size_t>(TileBytes(geo)) +
+                          4 * 16 * static_cast<size_t>((KW | 1) * 64);
+      using Kernel = void (*)(const T*, T*, TileImage, float, int64_t, int64_t);
+      Kernel kernel = nullptr;
+      // 28x28 dx images under 7x7 windows, padding 0 or 1: fixed images.
+      const auto fixed = [&](auto kind) {
+        using F = decltype(kind);
+        constexpr TileImage im = F::Image();
+        if (kernel == nullptr && geo.src_h == im.src_h &&
+            geo.src_w == im.src_w && geo.dst_h == im.dst_h &&
+            geo.dst_w == im.dst_w && geo.lead_h == im.lead_h &&
+            geo.lead_w == im.lead_w) {
+          kernel = MmaTileGatherNhwc<T, S, (im.dst_w + 2 * KW - 1) / KW, F>;
+        }
       };
-      geo.m0_0 = 0, geo.lo_0 = 0, geo.hi_0 = split;
-      geo.m0_1 = geo.dst_h - 16, geo.lo_1 = split, geo.hi_1 = geo.dst_h;
-      tile(geo.lo_0, geo.hi_0, geo.k0_0, geo.chunks_0);
-      tile(geo.lo_1, geo.hi_1, geo.k0_1, geo.chunks_1);
-      const size_t smem = 2 * static_cast<size_t>(geo.buf) +
-                          4 * 16 * static_cast<size_t>(geo.stage_row);
+      if constexpr (KH == 7 && KW == 7) {
+        fixed(FixedImage<22, 22, 28, 28, 6, 6>{});
+        fixed(FixedImage<24, 24, 28, 28, 5, 5>{});
+      }
       // Blocks of KW columns the walk along W takes (dst_w + KW columns).
       const int nb = (geo.dst_w + 2 * KW - 1) / KW;
-      using Kernel =
-          void (*)(const T*, T*, TileGeometry, float, int64_t, int64_t);
-      Kernel kernel = nullptr;
-      WithTileBlocks<kTileMinBlocks, kTileMaxBlocks>(nb, [&](auto n) {
-        kernel = MmaTileGatherNhwc<T, S, decltype(n)::value>;
-      });
+      if (kernel == nullptr) {
+        WithTileBlocks<kTileMinBlocks, kTileMaxBlocks>(nb, [&](auto n) {
+          kernel = MmaTileGatherNhwc<T, S, decltype(n)::value, RuntimeImage>;
+        });
+      }
       if (kernel == nullptr) return false;
       const KernelCode code = CodeOf(kernel);
       if (code.binary < 90) return false;

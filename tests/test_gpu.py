@@ -912,13 +912,16 @@ def _tile_gather_cases() -> list:
     tiles fit shared memory twice and at least two units of 32 channels for
     each resident block (264 on an H200), which the whole-tile gather takes
     (its row tiles store dx rows 0 to 13 and 14 to 27 of 28, 0 to 10 and 11 to
-    20 of 21, 0 to 15 and 16 to 31 of 32): 28x28 images at paddings 0 and 3
-    (at 3 each row tile's windows reach 17 dy rows, two products a column);
-    24x30 at padding 1; 21x32 (an odd number of rows, six blocks of columns)
-    under an override; 32x24; 20x20 where padded cells do not count, which at
-    padding 0 leaves one divisor. Their forwards run on the other kernels."""
+    20 of 21, 0 to 15 and 16 to 31 of 32): 28x28 images at paddings 0 and 1
+    (images fixed at compile time; at 0 also under an override) and 3 (each
+    row tile's windows reach 17 dy rows, two products a column); 24x30 at
+    padding 1; 21x32 (an odd number of rows, six blocks of columns) under an
+    override; 32x24; 20x20 where padded cells do not count, which at padding 0
+    leaves one divisor. Their forwards run on the other kernels."""
     calls = (
         ((33, 256, 28, 28), 0, {}),
+        ((40, 384, 28, 28), 1, {}),
+        ((36, 320, 28, 28), 0, {"divisor_override": 30}),
         ((33, 256, 28, 20), 3, {}),
         ((66, 128, 24, 30), 1, {}),
         ((40, 384, 21, 32), 0, {"divisor_override": 11}),
@@ -1098,8 +1101,10 @@ def test_block_sums_box_filter_keeps_infinities_and_nans(
         # In NCHW, padding 1 and enough planes for the plane kernel's forward.
         ("NCHW", (64, 256, 28, 28), 1),
         ("NHWC", (16, 64, 28, 28), 3),
-        # Enough blocks (on an H200) for the compact ring rows of the gather.
+        # Enough units (on an H200) for the whole-tile gather, whose images
+        # at paddings 1 and 0 are fixed at compile time.
         ("NHWC", (64, 512, 28, 28), 1),
+        ("NHWC", (48, 512, 28, 28), 0),
     ],
 )
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_name)
@@ -1119,5 +1124,6 @@ def test_tensor_core_box_filter_keeps_infinities_and_nans(
     reach into the neighbouring rows of a plane, here the row above an
     infinity at the start of a row."""
     case = TorchCase(shape, 7, 1, pad, layout=layout)
-    x, g = _with_non_finite(case, dtype, rng, far_column=22)
+    # Column 22 at padding 1 and more; at padding 0 dy's last, 21.
+    x, g = _with_non_finite(case, dtype, rng, far_column=22 if pad else 21)
     _assert_non_finite_as_on_cpu(case, x, g, dtype, gpu)
