@@ -1292,12 +1292,13 @@ namespace {
 // branches around the products of columns outside dy (31.3), a form of its own
 // for blocks wholly inside dy (29.8), the copy out in whole rows of every other
 // column a thread (32.2: spills), units handed out by a counter (27.9-28.2 in
-// the prototype against 26.1-26.3 in a fixed order), one tile buffer and three
-// blocks a multiprocessor (27.9-28.1), the forward in the same shape (31.4
-// against MmaBoxNhwc's 27.7: its 28-row tiles leave room for fewer units in
-// flight). BENCHMARKS.md has the forms and the bench. Elsewhere (channels not
-// in 64s, fewer rows) it was not measured against the kernels that take those
-// calls, so it leaves them.
+// the prototype against 26.1-26.3 in a fixed order; in this kernel, as
+// MmaPlanes hands out its groups, 27.9-28.4 against 27.3-27.8), streaming
+// stores (within the noise), one tile buffer and three blocks a multiprocessor
+// (27.9-28.1), the forward in the same shape (31.4 against MmaBoxNhwc's 27.7:
+// its 28-row tiles leave room for fewer units in flight). BENCHMARKS.md has the
+// forms and the bench. Elsewhere (channels not in 64s, fewer rows) it was not
+// measured against the kernels that take those calls, so it leaves them.
 //
 // The 0/1 matrix does not hide what it multiplies (0 * inf is NaN): an
 // infinity or NaN among a unit's column sums (seen in each block's sum)
