@@ -1021,6 +1021,44 @@ def test_more_than_2_31_elements_through_the_tensor_core_plane_kernel(
             assert_close(dx, part.oracle_vjp(g), BF16, "gather gradient")
 
 
+@pytest.mark.parametrize("pad", [0, 1, 3])
+def test_more_than_2_31_elements_through_the_nhwc_tensor_core_kernels(
+    pad: int, gpu: jax.Device, rng: np.random.Generator
+) -> None:
+    """64-bit offsets in NHWC: a bfloat16 tensor of 2800x28x28x1024 (2.25e9
+    elements) pooled 7x7/1, the forward on the tensor-core box filter at each
+    padding, the gather on the whole-tile kernel at paddings 0 and 1 (28x28
+    images fixed at compile time) and on the box filter at padding 3. Images
+    and channels are pooled independently, so three slices of channels of the
+    forward and the gather (of the first image, of the last, and 64 channels
+    across a slab's edge of the middle one) are checked against the oracle on
+    those channels alone. Needs about 25 GiB of GPU memory."""
+    if (gpu.memory_stats() or {}).get("bytes_limit", 0) < 40 * 2**30:
+        pytest.skip("needs a GPU with 40 GiB of memory for JAX")
+    case = TorchCase((2800, 1024, 28, 28), 7, 1, pad, layout="NHWC")
+    n, c = case.nchw[:2]
+
+    @jax.jit
+    def run(kx, kg):
+        x = jax.random.uniform(kx, case.shape, jnp.bfloat16, -1.0, 1.0)
+        g = jax.random.uniform(kg, case.out_shape, jnp.bfloat16, -1.0, 1.0)
+        y, pull = jax.vjp(functools.partial(avg_pool2d, **case.kwargs("gather")), x)
+        every = slice(None)
+        parts = ((slice(0, 1), every, every, slice(0, 32)),)
+        parts += ((slice(n - 1, n), every, every, slice(c - 32, c)),)
+        parts += ((slice(n // 2, n // 2 + 1), every, every, slice(480, 544)),)
+        dx = pull(g)[0]
+        return [(x[p], g[p], y[p], dx[p]) for p in parts]
+
+    with jax.default_device(gpu):
+        kx, kg = jax.random.split(jax.random.key(int(rng.integers(2**31))))
+        for x, g, y, dx in run(kx, kg):
+            nn, h, w, cc = x.shape
+            part = TorchCase((nn, cc, h, w), 7, 1, pad, layout="NHWC")
+            assert_close(y, part.oracle_forward(x), BF16, "forward")
+            assert_close(dx, part.oracle_vjp(g), BF16, "gather gradient")
+
+
 def _with_non_finite(
     case: TorchCase, dtype: np.dtype, rng: np.random.Generator, far_column: int
 ) -> tuple[np.ndarray, np.ndarray]:
