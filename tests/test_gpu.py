@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterable
 
@@ -987,6 +988,39 @@ def test_tensor_core_plane_forward_hands_out_groups_call_after_call(
             assert_close(w, want_z[k], dtype, f"second of two forwards, call {i}")
 
 
+def _check_parts_of_a_large_call(
+    case: TorchCase, parts: list[tuple[int, slice]], gpu: jax.Device, rng: np.random.Generator
+) -> None:
+    """Pools a bfloat16 ``case`` of more than 2**31 elements (x and g drawn on
+    the card), forward and gather by ``jax.vjp`` in one jitted call, and checks
+    the (image, channels) ``parts`` of both against the oracle on those
+    channels alone: images and channels are pooled independently."""
+    if (gpu.memory_stats() or {}).get("bytes_limit", 0) < 40 * 2**30:
+        pytest.skip("needs a GPU with 40 GiB of memory for JAX")
+    assert np.prod(case.nchw) > 2**31
+    every = slice(None)
+    at = [
+        (slice(i, i + 1), c) if case.layout == "NCHW" else (slice(i, i + 1), every, every, c)
+        for i, c in parts
+    ]
+
+    @jax.jit
+    def run(kx, kg):
+        x = jax.random.uniform(kx, case.shape, jnp.bfloat16, -1.0, 1.0)
+        g = jax.random.uniform(kg, case.out_shape, jnp.bfloat16, -1.0, 1.0)
+        y, pull = jax.vjp(functools.partial(avg_pool2d, **case.kwargs("gather")), x)
+        dx = pull(g)[0]
+        return [(x[p], g[p], y[p], dx[p]) for p in at]
+
+    with jax.default_device(gpu):
+        kx, kg = jax.random.split(jax.random.key(int(rng.integers(2**31))))
+        for x, g, y, dx in run(kx, kg):
+            nchw = x.shape if case.layout == "NCHW" else tuple(np.take(x.shape, (0, 3, 1, 2)))
+            part = dataclasses.replace(case, nchw=nchw)
+            assert_close(y, part.oracle_forward(x), BF16, "forward")
+            assert_close(dx, part.oracle_vjp(g), BF16, "gather gradient")
+
+
 @pytest.mark.parametrize("pad", [0, 1, 3])
 def test_more_than_2_31_elements_through_the_tensor_core_plane_kernel(
     pad: int, gpu: jax.Device, rng: np.random.Generator
@@ -994,31 +1028,13 @@ def test_more_than_2_31_elements_through_the_tensor_core_plane_kernel(
     """64-bit offsets: a bfloat16 NCHW tensor of 4096x700x28x28 (2.25e9
     elements) pooled 7x7/1, the forward on the tensor-core plane kernel at
     each padding, the gather on it at paddings 1 and 3 (on the strip kernel at
-    padding 0). Planes are pooled independently, so three groups of planes of
-    the forward and the gather (the first, the last, and 33 of the middle
-    image) are checked against the oracle on those planes alone. Needs about
-    25 GiB of GPU memory."""
-    if (gpu.memory_stats() or {}).get("bytes_limit", 0) < 40 * 2**30:
-        pytest.skip("needs a GPU with 40 GiB of memory for JAX")
+    padding 0). Three groups of planes of the forward and the gather (the
+    first, the last, and 33 of the middle image) are checked against the
+    oracle. Needs about 25 GiB of GPU memory."""
     case = TorchCase((4096, 700, 28, 28), 7, 1, pad)
     n, c = case.nchw[:2]
-
-    @jax.jit
-    def run(kx, kg):
-        x = jax.random.uniform(kx, case.shape, jnp.bfloat16, -1.0, 1.0)
-        g = jax.random.uniform(kg, case.out_shape, jnp.bfloat16, -1.0, 1.0)
-        y, pull = jax.vjp(functools.partial(avg_pool2d, **case.kwargs("gather")), x)
-        parts = ((slice(0, 1), slice(0, 16)), (slice(n - 1, n), slice(c - 16, c)))
-        parts += ((slice(n // 2, n // 2 + 1), slice(300, 333)),)
-        dx = pull(g)[0]
-        return [(x[p], g[p], y[p], dx[p]) for p in parts]
-
-    with jax.default_device(gpu):
-        kx, kg = jax.random.split(jax.random.key(int(rng.integers(2**31))))
-        for x, g, y, dx in run(kx, kg):
-            part = TorchCase(x.shape, 7, 1, pad)
-            assert_close(y, part.oracle_forward(x), BF16, "forward")
-            assert_close(dx, part.oracle_vjp(g), BF16, "gather gradient")
+    parts = [(0, slice(0, 16)), (n - 1, slice(c - 16, c)), (n // 2, slice(300, 333))]
+    _check_parts_of_a_large_call(case, parts, gpu, rng)
 
 
 @pytest.mark.parametrize("pad", [0, 1, 3])
@@ -1028,35 +1044,14 @@ def test_more_than_2_31_elements_through_the_nhwc_tensor_core_kernels(
     """64-bit offsets in NHWC: a bfloat16 tensor of 2800x28x28x1024 (2.25e9
     elements) pooled 7x7/1, the forward on the tensor-core box filter at each
     padding, the gather on the whole-tile kernel at paddings 0 and 1 (28x28
-    images fixed at compile time) and on the box filter at padding 3. Images
-    and channels are pooled independently, so three slices of channels of the
-    forward and the gather (of the first image, of the last, and 64 channels
-    across a slab's edge of the middle one) are checked against the oracle on
-    those channels alone. Needs about 25 GiB of GPU memory."""
-    if (gpu.memory_stats() or {}).get("bytes_limit", 0) < 40 * 2**30:
-        pytest.skip("needs a GPU with 40 GiB of memory for JAX")
+    images fixed at compile time) and on the box filter at padding 3. Three
+    slices of channels of the forward and the gather (of the first image, of
+    the last, and 64 channels across a slab's edge of the middle one) are
+    checked against the oracle. Needs about 25 GiB of GPU memory."""
     case = TorchCase((2800, 1024, 28, 28), 7, 1, pad, layout="NHWC")
     n, c = case.nchw[:2]
-
-    @jax.jit
-    def run(kx, kg):
-        x = jax.random.uniform(kx, case.shape, jnp.bfloat16, -1.0, 1.0)
-        g = jax.random.uniform(kg, case.out_shape, jnp.bfloat16, -1.0, 1.0)
-        y, pull = jax.vjp(functools.partial(avg_pool2d, **case.kwargs("gather")), x)
-        every = slice(None)
-        parts = ((slice(0, 1), every, every, slice(0, 32)),)
-        parts += ((slice(n - 1, n), every, every, slice(c - 32, c)),)
-        parts += ((slice(n // 2, n // 2 + 1), every, every, slice(480, 544)),)
-        dx = pull(g)[0]
-        return [(x[p], g[p], y[p], dx[p]) for p in parts]
-
-    with jax.default_device(gpu):
-        kx, kg = jax.random.split(jax.random.key(int(rng.integers(2**31))))
-        for x, g, y, dx in run(kx, kg):
-            nn, h, w, cc = x.shape
-            part = TorchCase((nn, cc, h, w), 7, 1, pad, layout="NHWC")
-            assert_close(y, part.oracle_forward(x), BF16, "forward")
-            assert_close(dx, part.oracle_vjp(g), BF16, "gather gradient")
+    parts = [(0, slice(0, 32)), (n - 1, slice(c - 32, c)), (n // 2, slice(480, 544))]
+    _check_parts_of_a_large_call(case, parts, gpu, rng)
 
 
 def _with_non_finite(
