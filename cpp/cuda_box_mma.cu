@@ -1335,6 +1335,18 @@ __host__ __device__ constexpr int TilePitch(const TileImage& im) {
 __host__ __device__ constexpr int TileBytes(const TileImage& im) {
   return (im.src_h + 1) * TilePitch(im);
 }
+// Bytes of a stage row (KW dx columns and one more where KW is even: an odd
+// number of pixels) and of a stage buffer (16 rows). A block holds two tiles
+// and, per row tile, two stage buffers.
+__host__ __device__ constexpr int TileStageRow(int kw) { return (kw | 1) * 64; }
+__host__ __device__ constexpr int TileStageBytes(int kw) {
+  return 16 * TileStageRow(kw);
+}
+__host__ __device__ constexpr size_t TileSmemBytes(const TileImage& im,
+                                                   int kw) {
+  return 2 * static_cast<size_t>(TileBytes(im)) +
+         4 * static_cast<size_t>(TileStageBytes(kw));
+}
 // The images at run time (the kernel's argument), or fixed at compile time
 // for common ones (the launcher's list), which lets the compiler lay out
 // the whole unit as for one call: its addresses, row tiles and walk along W.
@@ -1407,7 +1419,7 @@ __global__ void __launch_bounds__(kTileThreads, 2)
   const int c32 = static_cast<int>(channels);
   const TileImage geo = I::kFixed ? I::Image() : image;
   const int pitch = TilePitch(geo), buf = TileBytes(geo);
-  constexpr int stage_row = (KW | 1) * 64;  // an odd number of pixels
+  constexpr int stage_row = TileStageRow(KW);
   const int src_px = geo.src_h * geo.src_w;
   const int64_t dst_px = static_cast<int64_t>(geo.dst_h) * geo.dst_w;
   const unsigned smem =
@@ -1484,7 +1496,7 @@ __global__ void __launch_bounds__(kTileThreads, 2)
   const unsigned read_at = at_of(lr < geo.src_h ? lr : geo.src_h, 0, q);
   // The stage: [row tile][buffer][16 rows][stage_row bytes], chunks placed
   // as in the tiles.
-  const int stage_bytes = 16 * stage_row;
+  constexpr int stage_bytes = TileStageBytes(KW);
   const unsigned stage = smem + 2 * buf;
   const auto stage_of = [&](int row, int j, int c) {
     return static_cast<unsigned>(row * stage_row + j * 64 +
@@ -1688,8 +1700,7 @@ bool LaunchMmaTileGatherNhwc(cudaStream_t stream, const PoolAttrs& a,
       const TileImage geo{static_cast<int>(src_h),  static_cast<int>(src_w),
                           static_cast<int>(dst_h),  static_cast<int>(dst_w),
                           static_cast<int>(lead_h), static_cast<int>(lead_w)};
-      const size_t smem = 2 * static_cast<size_t>(TileBytes(geo)) +
-                          4 * 16 * static_cast<size_t>((KW | 1) * 64);
+      const size_t smem = TileSmemBytes(geo, KW);
       using Kernel =
           void (*)(const T*, T*, TileImage, float, int64_t, int64_t, FastDiv);
       Kernel kernel = nullptr;
