@@ -278,6 +278,45 @@ def test_16bit_nchw_gather_of_tiling_windows_on_gpu(
     np.testing.assert_array_equal(np.asarray(dx), np.asarray(again))
 
 
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_name)
+@pytest.mark.parametrize(
+    ("shape", "window", "extra"),
+    [
+        ((3, 5, 56, 56), (3, 2, 0), {}),
+        ((2, 7, 12, 48), (3, 2, 0), {"count_include_pad": False}),
+        ((1, 9, 15, 16), (3, 2, 0), {"divisor_override": 7}),
+        ((2, 3, 21, 64), (3, 2, 1), {"ceil_mode": True}),
+        ((2, 3, 21, 64), (3, 2, 1), {"ceil_mode": True, "count_include_pad": False}),
+        ((5, 3, 9, 32), (2, 2, 1), {}),
+        ((2, 5, 3, 56), (3, 2, 0), {}),
+        ((1, 3, 7, 2000), (3, 2, 0), {}),
+    ],
+    ids=str,
+)
+def test_16bit_nchw_stride2_forward_of_odd_rows_on_gpu(
+    shape: tuple,
+    window: tuple,
+    extra: dict,
+    dtype: np.dtype,
+    gpu: jax.Device,
+    rng: np.random.Generator,
+) -> None:
+    """16-bit NCHW stride-2 forwards whose output rows have odd length, so the
+    row kernel cannot pair its 2-byte outputs and stores them one by one: planes
+    and row blocks that straddle warps and thread blocks, ragged last row
+    blocks, rows of one output and of 999, every divisor rule, against the
+    oracle, every element checked."""
+    case = TorchCase(shape, *window, **extra)
+    assert case.out_shape[-1] % 2 == 1
+    x = random_array(rng, case.shape, dtype)
+
+    with dtype_mode(dtype):
+        y = avg_pool2d(_on(gpu, x)[0], *window, **extra)
+    assert_close(y, case.oracle_forward(x), dtype, "forward")
+    k = window[0]
+    assert f"__{k}__{k}__2__2__" in plan(x, *window, layout="NCHW", **extra)["forward"]
+
+
 def _check_forward_and_gather(
     case: TorchCase, dtype: np.dtype, gpu: jax.Device, rng: np.random.Generator
 ) -> None:
