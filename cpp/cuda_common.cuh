@@ -818,6 +818,16 @@ bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
                       const PoolShape& s, const T* src, T* dst,
                       cudaError_t& error);
 
+// The NCHW 16-bit forward of 3x3/2 windows that share one factor, with
+// padding of at most 1 at the top and left, over planes whose rows are whole
+// 16-byte vectors and whose output rows have an odd number of elements, by
+// whole planes in shared memory (cuda_planes_s2.cu). False where it does
+// not take the call; else `error` holds the launch's result.
+template <typename T>
+bool LaunchPlanesS2Nchw(cudaStream_t stream, const PoolAttrs& a,
+                        const PoolShape& s, const T* src, T* dst,
+                        cudaError_t& error);
+
 // The NHWC gather of stride-1 windows that share one factor, over
 // destination images of 20 to 32 rows and columns, by whole dy tiles (also
 // cuda_box_mma.cu), alike; on sm_90 builds.

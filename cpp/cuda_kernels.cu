@@ -3863,6 +3863,14 @@ cudaError_t LaunchForward(cudaStream_t stream, DType dtype, const PoolAttrs& a,
         cudaError_t err = cudaSuccess;
         if (LaunchPlanes<T, S, false>(stream, a, s, in, out, err)) return err;
       }
+      if constexpr (sizeof(T) == 2 && !S::kGeneric) {
+        if constexpr (S::KH == 3 && S::KW == 3 && S::SH == 2 && S::SW == 2) {
+          // Whole planes in shared memory, where the row kernel would
+          // store its outputs one by one.
+          cudaError_t err = cudaSuccess;
+          if (LaunchPlanesS2Nchw<T>(stream, a, s, in, out, err)) return err;
+        }
+      }
       if (RowKernelsFit<T, S>(a, s, x, y)) {
         if constexpr (!S::kGeneric) {
           const int64_t chunks = RowChunks<S>(s);

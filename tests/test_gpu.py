@@ -290,6 +290,11 @@ def test_16bit_nchw_gather_of_tiling_windows_on_gpu(
         ((5, 3, 9, 32), (2, 2, 1), {}),
         ((2, 5, 3, 56), (3, 2, 0), {}),
         ((1, 3, 7, 2000), (3, 2, 0), {}),
+        ((2, 5, 56, 56), (3, 2, (1, 0)), {}),
+        ((1, 4, 13, 16), (3, 2, 1), {"ceil_mode": True, "divisor_override": 5}),
+        ((1, 3, 12, 24), (3, 2, (0, 1)), {"ceil_mode": True, "divisor_override": 4}),
+        ((16, 1024, 16, 16), (3, 2, 0), {}),
+        ((64, 64, 56, 56), (3, 2, 0), {}),
     ],
     ids=str,
 )
@@ -301,11 +306,14 @@ def test_16bit_nchw_stride2_forward_of_odd_rows_on_gpu(
     gpu: jax.Device,
     rng: np.random.Generator,
 ) -> None:
-    """16-bit NCHW stride-2 forwards whose output rows have odd length, so the
-    row kernel cannot pair its 2-byte outputs and stores them one by one: planes
-    and row blocks that straddle warps and thread blocks, ragged last row
-    blocks, rows of one output and of 999, every divisor rule, against the
-    oracle, every element checked."""
+    """16-bit NCHW stride-2 forwards whose output rows have odd length, which
+    the row kernel could only store one by one: 3x3 windows over rows of whole
+    16-byte vectors go to the kernel of whole planes in shared memory (groups of
+    planes whose outputs start at every alignment, partial last groups, blocks
+    that take several groups, padding at the top, left or both), the others to
+    the row kernel (planes and row blocks that straddle warps and thread blocks,
+    ragged last row blocks); rows of one output and of 999, every divisor rule,
+    against the oracle, every element checked."""
     case = TorchCase(shape, *window, **extra)
     assert case.out_shape[-1] % 2 == 1
     x = random_array(rng, case.shape, dtype)
