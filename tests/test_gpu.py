@@ -1101,6 +1101,21 @@ def test_more_than_2_31_elements_through_the_nhwc_tensor_core_kernels(
     _check_parts_of_a_large_call(case, parts, gpu, rng)
 
 
+def test_more_than_2_31_elements_through_the_whole_plane_stride2_kernel(
+    gpu: jax.Device, rng: np.random.Generator
+) -> None:
+    """64-bit offsets: a bfloat16 NCHW tensor of 1024x700x56x56 (2.25e9
+    elements) pooled 3x3/2 without padding (27x27 outputs a plane), the
+    forward on the kernel of whole planes in shared memory, the gather on the
+    strip kernel of whole dy planes. Three groups of planes of the forward and the
+    gather (the first, the last, and 33 of the middle image) are checked
+    against the oracle. Needs about 20 GiB of GPU memory."""
+    case = TorchCase((1024, 700, 56, 56), 3, 2, 0)
+    n, c = case.nchw[:2]
+    parts = [(0, slice(0, 16)), (n - 1, slice(c - 16, c)), (n // 2, slice(300, 333))]
+    _check_parts_of_a_large_call(case, parts, gpu, rng)
+
+
 def _with_non_finite(
     case: TorchCase, dtype: np.dtype, rng: np.random.Generator, far_column: int
 ) -> tuple[np.ndarray, np.ndarray]:
