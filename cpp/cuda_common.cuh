@@ -820,7 +820,7 @@ bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
 
 // The NCHW 16-bit forward of 3x3/2 windows that share one factor, with
 // padding of at most 1 at the top and left, over planes whose rows are whole
-// 16-byte vectors and whose output rows have an odd number of elements, by
+// 8-byte pieces and whose output rows have an odd number of elements, by
 // whole planes in shared memory (cuda_planes_s2.cu). False where it does
 // not take the call; else `error` holds the launch's result.
 template <typename T>

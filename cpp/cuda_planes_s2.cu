@@ -14,20 +14,27 @@
 // Here a block copies a group of G consecutive planes in, one contiguous
 // range, by cp.async (the next group's copy in flight while it sums one),
 // each thread sums 2 output rows by 4 columns of a plane from shared memory
-// (16-byte loads of 8 source columns and one more element a row, the row
+// (16-byte loads of 8 source columns, or two of 8 bytes where rows are not
+// whole 16-byte pieces, and one more element a row, the row
 // the two outputs share loaded once), stages the group's outputs in shared
 // memory in the order they have in global memory, and the block copies
 // them out as one range in 16-byte pieces: every source byte read once,
 // every output sector written whole but at the range's two ends.
 //
 // On the H200 (CUDA events, us, 128x256 planes of 56x56 without padding,
-// against the row kernel): bfloat16 67.4-67.9 against 71.1-71.6, float16
+// against the row kernel): bfloat16 66.6-67.9 against 71.1-71.6, float16
 // 67.5-67.6 against 69.7-69.9; 32x64 planes of 112x112, bfloat16, 20.6-20.7
 // against 20.8. Nsight Compute, the bfloat16 call: 39.3 M warp instructions
 // against 43.4 M, 2.3 M L2 sectors written against 6.1 M, L2 throughput
 // 76% against 92%. Where output rows pair up the row kernel stores whole
 // runs and stays: with padding 1 (28 outputs a row) 65.6 against 67.9-68.0.
+// Rows of whole 8-byte pieces but not 16 (widths of 4 mod 8), which the row
+// kernel does not take, went to ForwardNchw (4 outputs of a row a thread,
+// loads from global memory): bfloat16
+// 128x256 planes of 28x28, 23.6-23.8 against 44.8 (float16 alike); 64x128
+// of 60x60, 25.0-25.3 against 47.9; 32x64 of 44x44, 7.4-7.5 against 11.1.
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda_common.cuh"
 
@@ -81,8 +88,10 @@ __device__ __forceinline__ unsigned short Bits16(__half v) {
   return __half_as_ushort(v);
 }
 
-// PL, PT: the left and top padding (0 or 1).
-template <typename T, int PL, int PT>
+// PL, PT: the left and top padding (0 or 1). Q: bytes the source rows are
+// a whole number of (16, or 8 where they are not 16), the pieces of the
+// copy in and of the loads of a row's 8 columns.
+template <typename T, int PL, int PT, int Q>
 __global__ void __launch_bounds__(kS2Threads, 3)
     PlanesS2Nchw(const T* __restrict__ src, T* __restrict__ dst, const S2Geom g,
                  const float value, const int64_t planes) {
@@ -94,16 +103,16 @@ __global__ void __launch_bounds__(kS2Threads, 3)
   const int64_t in_elems = static_cast<int64_t>(g.in_h) * g.in_w;
   unsigned short* const stage =
       reinterpret_cast<unsigned short*>(s2_smem + g.stage_at);
-  // Group q's source planes into buffer b, 16 bytes a thread at a time.
+  // Group q's source planes into buffer b, Q bytes a thread at a time.
   const auto copy_in = [&](int64_t q, int b) {
     const int64_t p0 = q * g.group;
     const int np = static_cast<int>(min(int64_t{g.group}, planes - p0));
-    const int chunks = np * (g.in_bytes / 16);
+    const int chunks = np * (g.in_bytes / Q);
     const unsigned char* from =
         reinterpret_cast<const unsigned char*>(src + p0 * in_elems);
     unsigned char* to = s2_smem + b * g.buffer;
     for (int i = tid; i < chunks; i += kS2Threads) {
-      StartCopy<16, false>(to + i * 16, from + i * 16, true);
+      StartCopy<Q, false>(to + i * Q, from + i * Q, true);
     }
   };
   int64_t q = blockIdx.x;
@@ -140,14 +149,24 @@ __global__ void __launch_bounds__(kS2Threads, 3)
           for (int o = 0; o < 4; ++o) h[d][o] = 0.f;
           continue;
         }
-        // Rows are whole 16-byte pieces, so the 8 columns from 8 cq lie
-        // wholly inside the source row or wholly past it (windows past its
-        // end under ceil_mode).
+        // Rows are whole pieces of Q bytes, so each Q-byte piece of the 8
+        // columns from 8 cq lies wholly inside the source row or wholly past
+        // it (windows past its end under ceil_mode).
         const unsigned char* const at = plane + (row * g.in_w + 8 * cq) * 2;
-        const uint4 v = 8 * cq < g.in_w ? *reinterpret_cast<const uint4*>(at)
-                                        : uint4{0u, 0u, 0u, 0u};
+        unsigned w[4];
+        if constexpr (Q == 16) {
+          const uint4 v = 8 * cq < g.in_w ? *reinterpret_cast<const uint4*>(at)
+                                          : uint4{0u, 0u, 0u, 0u};
+          w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+        } else {
+          const uint2 v0 = 8 * cq < g.in_w ? *reinterpret_cast<const uint2*>(at)
+                                           : uint2{0u, 0u};
+          const uint2 v1 = 8 * cq + 4 < g.in_w
+                               ? *reinterpret_cast<const uint2*>(at + 8)
+                               : uint2{0u, 0u};
+          w[0] = v0.x, w[1] = v0.y, w[2] = v1.x, w[3] = v1.y;
+        }
         float x[9];
-        const unsigned w[4] = {v.x, v.y, v.z, v.w};
         if constexpr (PL == 0) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
@@ -222,11 +241,14 @@ bool LaunchPlanesS2Nchw(cudaStream_t stream, const PoolAttrs& a,
   // over 128x256 planes of 56x56 with padding 1).
   if (a.layout != kNCHW || a.kernel_h != 3 || a.kernel_w != 3 ||
       a.stride_h != 2 || a.stride_w != 2 || a.pad_top > 1 || a.pad_left > 1 ||
-      !shared.all || s.in_w % 8 != 0 || s.out_h < 1 || s.out_w % 2 != 1 ||
-      reinterpret_cast<uintptr_t>(src) % 16 != 0 ||
+      !shared.all || s.in_w % 4 != 0 || s.out_h < 1 || s.out_w % 2 != 1 ||
+      reinterpret_cast<uintptr_t>(src) % 8 != 0 ||
       reinterpret_cast<uintptr_t>(dst) % 2 != 0) {
     return false;
   }
+  // Rows of whole 16-byte pieces, or of 8.
+  const bool wide =
+      s.in_w % 8 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0;
   const int64_t in_bytes = s.in_h * s.in_w * 2;
   const int64_t out_plane = s.out_h * s.out_w;
   const int64_t quads = (s.out_w + 3) / 4;
@@ -262,10 +284,15 @@ bool LaunchPlanesS2Nchw(cudaStream_t stream, const PoolAttrs& a,
   g.buffer = static_cast<int>(best * in_bytes);
   g.stage_at = 2 * g.buffer;
   const size_t smem = static_cast<size_t>(smem_of(best) + 15) / 16 * 16;
-  const auto kernel =
-      a.pad_left == 0
-          ? (a.pad_top == 0 ? PlanesS2Nchw<T, 0, 0> : PlanesS2Nchw<T, 0, 1>)
-          : (a.pad_top == 0 ? PlanesS2Nchw<T, 1, 0> : PlanesS2Nchw<T, 1, 1>);
+  const auto pick = [&](auto q) {
+    constexpr int Q = decltype(q)::value;
+    return a.pad_left == 0 ? (a.pad_top == 0 ? PlanesS2Nchw<T, 0, 0, Q>
+                                             : PlanesS2Nchw<T, 0, 1, Q>)
+                           : (a.pad_top == 0 ? PlanesS2Nchw<T, 1, 0, Q>
+                                             : PlanesS2Nchw<T, 1, 1, Q>);
+  };
+  const auto kernel = wide ? pick(std::integral_constant<int, 16>{})
+                           : pick(std::integral_constant<int, 8>{});
   error = cudaSuccess;
   const int64_t groups = Groups(planes, g.group);
   if (groups == 0) return true;

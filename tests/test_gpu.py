@@ -295,6 +295,10 @@ def test_16bit_nchw_gather_of_tiling_windows_on_gpu(
         ((1, 3, 12, 24), (3, 2, (0, 1)), {"ceil_mode": True, "divisor_override": 4}),
         ((16, 1024, 16, 16), (3, 2, 0), {}),
         ((64, 64, 56, 56), (3, 2, 0), {}),
+        ((4, 6, 28, 28), (3, 2, 0), {}),
+        ((1, 2, 9, 12), (3, 2, 0), {"count_include_pad": False}),
+        ((2, 3, 20, 20), (3, 2, 1), {"ceil_mode": True, "divisor_override": 3}),
+        ((120, 64, 28, 28), (3, 2, 0), {}),
     ],
     ids=str,
 )
@@ -306,14 +310,15 @@ def test_16bit_nchw_stride2_forward_of_odd_rows_on_gpu(
     gpu: jax.Device,
     rng: np.random.Generator,
 ) -> None:
-    """16-bit NCHW stride-2 forwards whose output rows have odd length, which
-    the row kernel could only store one by one: 3x3 windows over rows of whole
-    16-byte vectors go to the kernel of whole planes in shared memory (groups of
+    """16-bit NCHW stride-2 forwards whose output rows have odd length. 3x3
+    windows over rows of whole 8-byte pieces go to the kernel of whole planes
+    in shared memory: rows of 16-byte pieces and of 8 but not 16, groups of
     planes whose outputs start at every alignment, partial last groups, blocks
-    that take several groups, padding at the top, left or both), the others to
-    the row kernel (planes and row blocks that straddle warps and thread blocks,
-    ragged last row blocks); rows of one output and of 999, every divisor rule,
-    against the oracle, every element checked."""
+    that take several groups, padding at the top, left or both, windows past
+    the last column under ceil_mode. The others go to the row kernel, which
+    stores their outputs one by one: planes and row blocks that straddle warps
+    and thread blocks, ragged last row blocks. Rows of one output and of 999,
+    every divisor rule, against the oracle, every element checked."""
     case = TorchCase(shape, *window, **extra)
     assert case.out_shape[-1] % 2 == 1
     x = random_array(rng, case.shape, dtype)
