@@ -3865,8 +3865,8 @@ cudaError_t LaunchForward(cudaStream_t stream, DType dtype, const PoolAttrs& a,
       }
       if constexpr (sizeof(T) == 2 && !S::kGeneric) {
         if constexpr (S::KH == 3 && S::KW == 3 && S::SH == 2 && S::SW == 2) {
-          // Whole planes in shared memory, where the row kernel would
-          // store its outputs one by one.
+          // Whole planes in shared memory, for odd-length output rows: the
+          // row kernel would store them one by one, or not take them.
           cudaError_t err = cudaSuccess;
           if (LaunchPlanesS2Nchw<T>(stream, a, s, in, out, err)) return err;
         }

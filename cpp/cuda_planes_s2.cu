@@ -50,7 +50,7 @@ constexpr int kS2MaxGroup = 32;
 struct S2Geom {
   int in_h, in_w, out_h, out_w;  // a source and a destination plane
   int group;                     // G, planes a group
-  int in_bytes;                  // bytes of a source plane (a multiple of 16)
+  int in_bytes;                  // bytes of a source plane (a multiple of Q)
   int out_plane;                 // elements of a destination plane
   int col_quads;                 // 4-column tasks across a destination row
   int units;                     // tasks a plane: row pairs x col_quads
