@@ -352,7 +352,8 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
   // at padding 1 17.9 against 17.3; 64 at padding 3 35.3 against 34.7).
   const int span = MmaSpan(rows);
   const int all = static_cast<int>(items) * span;
-  int at = static_cast<int>(share ? share : span) * static_cast<int>(blockIdx.x);
+  int at =
+      static_cast<int>(share ? share : span) * static_cast<int>(blockIdx.x);
   const int at_end = share ? min(all, at + static_cast<int>(share)) : all;
   const int stride = share ? 0 : span * static_cast<int>(gridDim.x);
   while (at < at_end) {
@@ -1127,9 +1128,9 @@ bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
       const auto launch = [&](auto nt, auto pp, auto... st) {
         constexpr int NT = decltype(nt)::value;
         constexpr int P = decltype(pp)::value;
-        using Kernel = void (*)(PoolAttrs, PoolShape, const T*, T*, int,
-                                SharedFactor<float>, int, int64_t, int64_t,
-                                MmaItemDivs);
+        using Kernel =
+            void (*)(PoolAttrs, PoolShape, const T*, T*, int,
+                     SharedFactor<float>, int, int64_t, int64_t, MmaItemDivs);
         const int64_t segs = Groups(dst_h, rows);
         const int64_t strips = Groups(dst_w, 8 * NT);
         const int64_t slabs = s.channels / 64;
