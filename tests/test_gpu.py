@@ -444,7 +444,7 @@ def _strip_cases() -> list:
     past its limits (33 rows, 33 strips, unpaired columns, divisors per
     window), which go to the other kernels."""
     calls = (
-        ((2, 9, 28, 28), 0, {}),  # gather: 22-wide dy in pairs
+        ((2, 9, 28, 28), 0, {}),  # gather: 22-wide dy in pairs, 16-bit fixed form
         ((2, 9, 28, 28), 1, {}),  # forward: 24-wide rows
         ((2, 9, 28, 28), 2, {}),  # gather: odd offsets, even rows
         ((2, 9, 28, 28), 3, {}),  # forward and gather: 28-wide rows
@@ -881,7 +881,8 @@ def _tensor_core_box_cases() -> list:
     divisor, and the whole-tile gather, below, does not take it: here the calls
     of 48 to 92 images of 27x27 and 28x28 at paddings 0 and 1; shapes in NCHW
     order): 28x28 images at each padding (rows 22 to 28
-    wide, strips of 24 or 32 columns) and divisor rule; images taller than 32
+    wide, strips of 24 or 32 columns; the forward at padding 0 on its form
+    with the image fixed at compile time) and divisor rule; images taller than 32
     rows (segments of rows) and wider than 32 columns (strips, the last one
     partial); two slabs of channels; calls of enough blocks (on an H200) that
     the ring rows hold only the source columns a strip meets, its other
@@ -1146,7 +1147,8 @@ def _block_sums_cases() -> list:
     box filter by sums over blocks of rows takes (its gather only where every
     window shares one divisor) with at least as many blocks as stay resident
     on an H200 (shapes in NCHW order): 28x28 images at each padding and
-    divisor rule, with ceil_mode; images of fewer rows than a block of seven
+    divisor rule (the forward at padding 0 on its form with the image fixed
+    at compile time), with ceil_mode; images of fewer rows than a block of seven
     and of many blocks; images wider than 32 destination columns (windows of
     columns, the last strip of each partial); two slabs of channels; and
     calls it leaves to the other kernels (too few blocks, channels not in
