@@ -1121,6 +1121,261 @@ __global__ void __launch_bounds__(kPlaneMmaThreads, 2)
 #endif
 }
 
+// ---------------------------------------------------------------------------
+// The 16-bit NHWC forward of KxK/1 windows over images of one size fixed at
+// compile time, without padding, whose results leave straight from
+// registers (LaneBoxNhwc): for the forward of 28x28 images under 7x7
+// windows, in place of MmaBoxNhwc.
+//
+// MmaBoxNhwc reads its operands with ldmatrix.trans, which gives a lane one
+// channel of its pixels, so its results have one channel a lane as well and
+// go out through a stage in shared memory (stmatrix, a barrier, copies of
+// whole pixels). Here a lane reads 8 bytes (four channels) of each of its
+// source pixels from the ring (ld.shared) and pairs the pixels itself
+// (prmt): the M rows of its products are those four channels, so each lane
+// ends with four channels of two adjacent destination pixels, 8 bytes
+// each, which it stores to global memory itself; the two warps of a tile
+// write whole 128-byte pieces of pixels between them.
+//
+// A block takes 128 bytes of channels (64) of one image and walks all its
+// rows, two destination rows a step, the source rows through a ring in
+// shared memory (cp.async, kLaneAhead steps ahead, one barrier a step). Its
+// warps: (tile t of 8 destination columns, half h of the channels); lane 4r
+// + q holds channels c0 .. c0 + 3, c0 = 8 (4h + r / 2) + 4 (r % 2), of the
+// source columns 8t + 2q, +1, +8, +9 (the A operand: M rows r and r + 8 are
+// channels c0 + 2i and c0 + 2i + 1 of product i), the 0/1 band of B the
+// same as MmaBoxNhwc's. The rows both destination rows of a step hold are
+// summed once. Chunk c of source pixel p sits at 16-byte slot (c + 2 ((p /
+// 2) % 4)) % 8 of its 128 bytes, so that a half warp's 8-byte reads fall in
+// distinct banks; each ring row ends in a pixel of zeros, read for the
+// columns past the source.
+//
+// An infinity or NaN among the 16 source columns of a tile spoils every sum
+// of the tile (0 * inf), and a lane that stored one non-finite result sums
+// all of its destination elements again, element by element from global
+// memory, as the other kernels do.
+//
+// On the H200 (bfloat16 64x28x28x512, 64 calls replayed from a CUDA graph,
+// best of seven): 23.84-23.90 us with the 8 slabs of its 512 channels fixed
+// at compile time, 24.08-24.17 with them at run time, against MmaBoxNhwc's
+// 25.27-25.28 (its fixed form) the same hour; outputs equal MmaBoxNhwc's bit
+// for bit on that call. Tried on the way (BENCHMARKS.md): one warp a tile
+// with all 64 channels (16-byte reads, 12 warps a multiprocessor) 25.0-25.3;
+// operands straight from global memory, the rows a block reads again left
+// to L1, 47; images in two segments of rows, 25.8-27.7; this kernel as the
+// NHWC gather of 28x28 from 22x22 dy, 27.3-29.4 against MmaTileGatherNhwc's
+// 25.7-25.8.
+constexpr int kLaneAhead = 2;  // steps of source rows in flight
+
+__host__ __device__ constexpr int LaneTiles(int dst_w) {
+  return (dst_w + 7) / 8;
+}
+template <int K, int kSW>
+constexpr int LaneThreads() {
+  return 64 * LaneTiles(kSW - K + 1);
+}
+template <int K, int kSW>
+constexpr size_t LaneSmem() {
+  return static_cast<size_t>(K + 1 + 2 * kLaneAhead) * (kSW + 1) * kPixelBytes;
+}
+
+template <typename T, int K, int kSH, int kSW, int kSlabs>
+__global__ void __launch_bounds__(LaneThreads<K, kSW>(), 4)
+    LaneBoxNhwc(const T* __restrict__ src, T* __restrict__ dst, const int slabs,
+                const float f) {
+#if __CUDA_ARCH__ >= 800
+  constexpr int kDH = kSH - K + 1, kDW = kSW - K + 1;
+  static_assert(K % 2 == 1 && K <= 9 && kDH % 2 == 0 && kDW % 2 == 0);
+  constexpr int kTiles = LaneTiles(kDW), kThreads = LaneThreads<K, kSW>();
+  constexpr int kRing = K + 1 + 2 * kLaneAhead;  // rows
+  constexpr int kRowBytes = (kSW + 1) * kPixelBytes;
+  constexpr int kSteps = kDH / 2;
+  constexpr int kPair = 2 * kSW * 8;  // 16-byte chunks of two source rows
+  constexpr int kPer = (kPair + kThreads - 1) / kThreads;
+  extern __shared__ __align__(16) unsigned char lane_ring[];
+  const unsigned ring =
+      static_cast<unsigned>(__cvta_generic_to_shared(lane_ring));
+  const int tid = static_cast<int>(threadIdx.x);
+  // kSlabs: the slabs of channels an image, fixed at compile time (every
+  // offset below a constant), or 0: `slabs`, whose strides are computed
+  // once and then added (asm: else the compiler derives each address from
+  // `slabs` again, several multiplies each).
+  const int n_slabs = kSlabs > 0 ? kSlabs : slabs;
+  const int64_t n = blockIdx.x / n_slabs;
+  const int slab = static_cast<int>(blockIdx.x - n * n_slabs);
+  int64_t px = int64_t{n_slabs} * kPixelBytes;  // bytes a pixel
+  if constexpr (kSlabs == 0) asm volatile("" : "+l"(px));
+  const unsigned char* const in = reinterpret_cast<const unsigned char*>(src) +
+                                  n * kSH * kSW * px + slab * kPixelBytes;
+  // The zero pixel at the end of each ring row.
+  for (int i = tid; i < kRing * 8; i += kThreads) {
+    *reinterpret_cast<uint4*>(lane_ring + (i >> 3) * kRowBytes +
+                              kSW * kPixelBytes + (i & 7) * 16) =
+        make_uint4(0, 0, 0, 0);
+  }
+  // This thread's chunks of the next two source rows to copy (from) and
+  // where they go past the first ring row's start (to).
+  const unsigned char* from[kPer];
+  unsigned to[kPer];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int i = min(tid + kThreads * j, kPair - 1);
+    const int c = i & 7, p = (i >> 3) % kSW, rr = (i >> 3) / kSW;
+    from[j] = in + (rr * kSW + p) * px + c * 16;
+    to[j] =
+        rr * kRowBytes + p * kPixelBytes + ((c + 2 * ((p >> 1) & 3)) & 7) * 16;
+  }
+  const int64_t pair_bytes = 2 * kSW * px;  // two source rows
+  // Source rows v and v + 1 (v even) into their ring rows; `from` moves on
+  // to the next two.
+  const auto copy_pair = [&](int v) {
+    const unsigned at = ring + (v % kRing) * kRowBytes;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      if (kPair % kThreads == 0 || tid + kThreads * j < kPair) {
+        StartCopyTo<16, false>(at + to[j], from[j], true);
+      }
+      from[j] += pair_bytes;
+    }
+  };
+  for (int v = 0; v <= K; v += 2) copy_pair(v);
+  CommitCopies();
+#pragma unroll
+  for (int g = 1; g < kLaneAhead; ++g) {
+    if (g < kSteps) copy_pair(2 * g + K - 1);
+    CommitCopies();
+  }
+  const int lane = tid & 31, warp = tid >> 5;
+  const int r = lane >> 2, q = lane & 3;
+  const int tile = warp % kTiles, chunk = 4 * (warp / kTiles) + (r >> 1);
+  const int half = r & 1;
+  // The ring addresses of this lane's source pixels (column pairs m = 0, 1
+  // of the tile), their first row's; kept in registers rather than
+  // computed again at every row.
+  unsigned at[2][2];
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = 8 * tile + 8 * m + 2 * q + e;
+      const int c = col < kSW ? col : kSW;
+      at[m][e] = ring + c * kPixelBytes +
+                 ((chunk + 2 * ((c >> 1) & 3)) & 7) * 16 + half * 8;
+      asm volatile("" : "+r"(at[m][e]));
+    }
+  }
+  // B: source column k (rows) of destination column r (columns).
+  const auto band = [&](int k) {
+    return k - r >= 0 && k - r < K ? MmaOne<T>::kBits : 0u;
+  };
+  unsigned b0 = band(2 * q) | band(2 * q + 1) << 16;
+  unsigned b1 = band(2 * q + 8) | band(2 * q + 9) << 16;
+  asm volatile("" : "+r"(b0), "+r"(b1));
+  const int o0 = 8 * tile + 2 * q;  // destination columns o0, o0 + 1
+  const bool stores = o0 < kDW;
+  unsigned char* const out = reinterpret_cast<unsigned char*>(dst) +
+                             (n * kDH * kDW + o0) * px + slab * kPixelBytes +
+                             chunk * 16 + half * 8;
+  // A source row's A operands: a[m][j] pairs the two pixels of column pair
+  // m for channel c0 + j.
+  const auto operands = [&](unsigned row_at, unsigned (&a)[2][4]) {
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      uint2 v0, v1;
+      asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n"
+                   : "=r"(v0.x), "=r"(v0.y)
+                   : "r"(at[m][0] + row_at));
+      asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n"
+                   : "=r"(v1.x), "=r"(v1.y)
+                   : "r"(at[m][1] + row_at));
+      a[m][0] = __byte_perm(v0.x, v1.x, 0x5410);
+      a[m][1] = __byte_perm(v0.x, v1.x, 0x7632);
+      a[m][2] = __byte_perm(v0.y, v1.y, 0x5410);
+      a[m][3] = __byte_perm(v0.y, v1.y, 0x7632);
+    }
+  };
+  unsigned flag = 0;  // +0 while every stored result is finite
+  // The steps in runs of kPeriod, after which the ring rows repeat: unrolled
+  // over a run, every ring address is a register plus a constant. `y` is
+  // the step's first destination row.
+  constexpr int kPeriod = kRing / 2;
+  static_assert(kRing % 2 == 0);
+  unsigned char* y = out;
+  const int64_t row_out = kDW * px;  // bytes a destination row
+  for (int k0 = 0; k0 < kSteps; k0 += kPeriod) {
+#pragma unroll
+    for (int kk = 0; kk < kPeriod; ++kk) {
+      const int k = k0 + kk;
+      if (k >= kSteps) break;
+      CopyWait<kLaneAhead - 1>();
+      __syncthreads();  // the step's rows are in; the last step's are free
+      if (k + kLaneAhead < kSteps) copy_pair(2 * (kk + kLaneAhead) + K - 1);
+      CommitCopies();
+      // The ring row of the step's row i (its first at ring row 2 kk).
+      const auto row_at = [&](int i) {
+        return static_cast<unsigned>((2 * kk + i) % kRing) * kRowBytes;
+      };
+      float shared[2][4] = {}, acc[2][4];
+      unsigned a[2][4];
+#pragma unroll
+      for (int i = 1; i < K; ++i) {
+        operands(row_at(i), a);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          MmaAdd<T>(shared[j], shared[j], a[0][2 * j], a[0][2 * j + 1],
+                    a[1][2 * j], a[1][2 * j + 1], b0, b1, i == 1);
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        operands(row_at(e * K), a);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          MmaAdd<T>(acc[j], shared[j], a[0][2 * j], a[0][2 * j + 1],
+                    a[1][2 * j], a[1][2 * j + 1], b0, b1, false);
+        }
+        if (stores) {
+          // Column o0: channels c0, c0 + 1 (product 0), c0 + 2, c0 + 3
+          // (product 1) in acc[.][0] and [2]; column o0 + 1 in [1] and [3].
+          const unsigned w0 = Pack<T>(acc[0][0] * f, acc[0][2] * f);
+          const unsigned w1 = Pack<T>(acc[1][0] * f, acc[1][2] * f);
+          const unsigned w2 = Pack<T>(acc[0][1] * f, acc[0][3] * f);
+          const unsigned w3 = Pack<T>(acc[1][1] * f, acc[1][3] * f);
+          flag = FiniteFlag<T>(w0, flag);
+          flag = FiniteFlag<T>(w1, flag);
+          flag = FiniteFlag<T>(w2, flag);
+          flag = FiniteFlag<T>(w3, flag);
+          unsigned char* const to_row = y + e * row_out;
+          *reinterpret_cast<uint2*>(to_row) = make_uint2(w0, w1);
+          *reinterpret_cast<uint2*>(to_row + px) = make_uint2(w2, w3);
+        }
+      }
+      y += 2 * row_out;
+    }
+  }
+  if (stores && flag != 0u) {
+    // Element by element, this lane's destination elements.
+    const unsigned char* const x = in + o0 * px + chunk * 16 + half * 8;
+    for (int row = 0; row < kDH; ++row) {
+      for (int e = 0; e < 2; ++e) {
+        float sum[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int i = 0; i < K; ++i) {
+          for (int j = 0; j < K; ++j) {
+            const T* const v =
+                reinterpret_cast<const T*>(x + ((row + i) * kSW + e + j) * px);
+#pragma unroll
+            for (int c = 0; c < 4; ++c) sum[c] += Num<T>::Load(v[c]);
+          }
+        }
+        T* const y = reinterpret_cast<T*>(out + (row * kDW + e) * px);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) y[c] = Num<T>::Store(sum[c] * f);
+      }
+    }
+  }
+#endif
+}
+
 // Whether the kernel was compiled for sm_80 or later (mma.sync, ldmatrix,
 // cp.async), as the code the device runs: a build for older targets alone
 // leaves its body empty, and the caller takes another kernel.
@@ -1320,6 +1575,46 @@ template bool LaunchMmaBoxNhwc<__nv_bfloat16, true, false>(
 template bool LaunchMmaBoxNhwc<__nv_bfloat16, true, true>(
     cudaStream_t, const PoolAttrs&, const PoolShape&, const __nv_bfloat16*,
     __nv_bfloat16*, cudaError_t&);
+
+template <typename T>
+bool LaunchLaneBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
+                       const PoolShape& s, const T* src, T* dst,
+                       cudaError_t& error) {
+  error = cudaSuccess;
+  // The forms compiled: 28x28 images under 7x7 windows.
+  constexpr int K = 7, kSH = 28, kSW = 28;
+  if (a.kernel_h != K || a.kernel_w != K || a.stride_h != 1 ||
+      a.stride_w != 1 || a.pad_top != 0 || a.pad_bottom != 0 ||
+      a.pad_left != 0 || a.pad_right != 0 || s.in_h != kSH || s.in_w != kSW ||
+      s.out_h != kSH - K + 1 || s.out_w != kSW - K + 1 ||
+      s.channels % 64 != 0 || !CanVectorise<T, 8>(s, src, dst)) {
+    return false;
+  }
+  const SharedFactor<float> shared = SharedFactorOf<float>(a, s);
+  const int64_t slabs = s.channels / 64, blocks = s.batch * slabs;
+  if (!shared.all || blocks < kMmaMinItems || blocks > INT32_MAX) {
+    return false;
+  }
+  // 512 channels (ResNets' 28x28 stage): every offset a constant.
+  const auto kernel = slabs == 8 ? LaneBoxNhwc<T, K, kSH, kSW, 8>
+                                 : LaneBoxNhwc<T, K, kSH, kSW, 0>;
+  if (!MmaCompiled(kernel)) return false;
+  constexpr size_t smem = LaneSmem<K, kSW>();
+  error = AllowSharedMemory(kernel, smem);
+  if (error != cudaSuccess) return true;
+  kernel<<<static_cast<unsigned>(blocks), LaneThreads<K, kSW>(), smem,
+           stream>>>(src, dst, static_cast<int>(slabs), shared.value);
+  error = cudaGetLastError();
+  return true;
+}
+
+template bool LaunchLaneBoxNhwc<__half>(cudaStream_t, const PoolAttrs&,
+                                        const PoolShape&, const __half*,
+                                        __half*, cudaError_t&);
+template bool LaunchLaneBoxNhwc<__nv_bfloat16>(cudaStream_t, const PoolAttrs&,
+                                               const PoolShape&,
+                                               const __nv_bfloat16*,
+                                               __nv_bfloat16*, cudaError_t&);
 
 namespace {
 

@@ -818,6 +818,15 @@ bool LaunchMmaBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
                       const PoolShape& s, const T* src, T* dst,
                       cudaError_t& error);
 
+// The NHWC 16-bit forward of 7x7/1 windows over 28x28 images without
+// padding, its results stored straight from registers (LaneBoxNhwc,
+// cuda_box_mma.cu): launches it and returns true where it applies, the
+// launch's error in `error`; returns false, launching nothing, elsewhere.
+template <typename T>
+bool LaunchLaneBoxNhwc(cudaStream_t stream, const PoolAttrs& a,
+                       const PoolShape& s, const T* src, T* dst,
+                       cudaError_t& error);
+
 // The NCHW 16-bit forward of 3x3/2 windows that share one factor, with
 // padding of at most 1 at the top and left, over planes whose rows are whole
 // 8-byte pieces and whose output rows have an odd number of elements, by

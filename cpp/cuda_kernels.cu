@@ -2058,10 +2058,15 @@ cudaError_t LaunchSlideNhwc(cudaStream_t stream, const PoolAttrs& a,
   if constexpr (NhwcBox<S>()) {
     if constexpr (sizeof(T) == 2) {
       // The tensor-core kernels, where they apply: for gathers first the
-      // one of whole dy tiles, then the box filter.
+      // one of whole dy tiles, for forwards the one that stores from
+      // registers, then the box filter.
       cudaError_t error = cudaSuccess;
       if constexpr (kGather) {
         if (LaunchMmaTileGatherNhwc<T>(stream, a, s, src, dst, error)) {
+          return error;
+        }
+      } else {
+        if (LaunchLaneBoxNhwc<T>(stream, a, s, src, dst, error)) {
           return error;
         }
       }

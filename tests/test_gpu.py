@@ -881,8 +881,10 @@ def _tensor_core_box_cases() -> list:
     divisor, and the whole-tile gather, below, does not take it: here the calls
     of 48 to 92 images of 27x27 and 28x28 at paddings 0 and 1; shapes in NCHW
     order): 28x28 images at each padding (rows 22 to 28
-    wide, strips of 24 or 32 columns; the forward at padding 0 on its form
-    with the image fixed at compile time) and divisor rule; images taller than 32
+    wide, strips of 24 or 32 columns; the forward at padding 0 with 16 blocks
+    or more on the kernel that stores its results from registers, with each
+    divisor rule, one to three slabs of channels an image at run time and
+    eight fixed at compile time) and divisor rule; images taller than 32
     rows (segments of rows) and wider than 32 columns (strips, the last one
     partial); two slabs of channels; calls of enough blocks (on an H200) that
     the ring rows hold only the source columns a strip meets, its other
@@ -901,6 +903,8 @@ def _tensor_core_box_cases() -> list:
         ((16, 64, 28, 28), 1, {}),
         ((16, 64, 28, 28), 2, {"count_include_pad": False}),
         ((16, 64, 28, 28), 3, {"divisor_override": 11}),
+        ((16, 128, 28, 28), 0, {"divisor_override": 11}),
+        ((6, 192, 28, 28), 0, {"count_include_pad": False}),
         ((2, 128, 45, 70), 3, {}),
         ((8, 64, 33, 40), 1, {"ceil_mode": True}),
         ((6, 192, 26, 20), 2, {"count_include_pad": False}),
