@@ -1164,7 +1164,7 @@ __global__ void __launch_bounds__(kPlaneMmaThreads, 2)
 // operands straight from global memory, the rows a block reads again left
 // to L1, 47; images in two segments of rows, 25.8-27.7; this kernel as the
 // NHWC gather of 28x28 from 22x22 dy, 27.3-29.4 against MmaTileGatherNhwc's
-// 25.7-25.8.
+// 25.7-25.9.
 constexpr int kLaneAhead = 2;  // steps of source rows in flight
 
 __host__ __device__ constexpr int LaneTiles(int dst_w) {
@@ -1367,9 +1367,9 @@ __global__ void __launch_bounds__(LaneThreads<K, kSW>(), 4)
             for (int c = 0; c < 4; ++c) sum[c] += Num<T>::Load(v[c]);
           }
         }
-        T* const y = reinterpret_cast<T*>(out + (row * kDW + e) * px);
+        T* const to = reinterpret_cast<T*>(out + (row * kDW + e) * px);
 #pragma unroll
-        for (int c = 0; c < 4; ++c) y[c] = Num<T>::Store(sum[c] * f);
+        for (int c = 0; c < 4; ++c) to[c] = Num<T>::Store(sum[c] * f);
       }
     }
   }
